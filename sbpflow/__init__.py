@@ -1,0 +1,32 @@
+"""sbpflow: global tensors with SBP layouts for PyTorch.
+
+``tensor.to_global(placement, sbp)`` spreads a tensor over ranks; a boxing
+engine turns one layout into another with collectives. See ``docs/``.
+"""
+
+from . import boxing, env, sbp
+from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
+from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
+from .placement import Placement, placement
+from .tensor import GlobalTensor, is_global, to_global
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "placement",
+    "Placement",
+    "sbp",
+    "GlobalTensor",
+    "to_global",
+    "is_global",
+    "boxing",
+    "env",
+    "manual_seed",
+    "randn",
+    "rand",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+]

@@ -1,0 +1,112 @@
+"""Making the ranks agree on a conversion's metadata, in bounded time.
+
+# NOTE [meta check]
+# A rank that disagrees with the others (another shape, dtype, SBP or
+# placement) would enter a different collective and hang the job. So each
+# user-level ``to_global`` first all-gathers one fixed-size int64 vector per
+# rank over the whole world: its dtype, shape, hashes of placement and SBP,
+# and whether it already found an error in its own arguments. Every rank sees
+# the same gathered table and so reaches the same verdict; on any mismatch a
+# second round gathers readable descriptions and every rank raises the same
+# ``ValueError``. Nothing hangs: the only collectives are fixed-size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .comm import collectives
+from .comm._world import get_rank, get_world_size
+
+MAX_DIMS = 16
+_HEADER = 8
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+@dataclass(frozen=True)
+class RankMeta:
+    """What one rank passed to a conversion."""
+
+    error: str | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    placement: str
+    sbp: str
+    in_placement: bool
+
+    def encode(self) -> torch.Tensor:
+        vec = torch.zeros(_HEADER + MAX_DIMS, dtype=torch.int64)
+        vec[0] = 1 if self.error else 0
+        vec[1] = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99
+        vec[2] = len(self.shape)
+        vec[3] = stable_hash(self.placement)
+        vec[4] = stable_hash(self.sbp)
+        vec[5] = 1 if self.in_placement else 0
+        for i, n in enumerate(self.shape[:MAX_DIMS]):
+            vec[_HEADER + i] = n
+        return vec
+
+
+@dataclass(frozen=True)
+class Gathered:
+    shapes: list[tuple[int, ...]]  # per world rank (as passed)
+
+
+def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
+    """All-gather ``mine``; raise the same ``ValueError`` on every rank on any disagreement.
+
+    ``compare_shapes``: shapes must be equal across ranks (global->global);
+    otherwise only the ndim must agree (local shards may differ).
+    """
+    if len(mine.shape) > MAX_DIMS:
+        mine = RankMeta(
+            mine.error or f"tensors with more than {MAX_DIMS} dims are not supported (got {len(mine.shape)})",
+            mine.dtype, mine.shape[:MAX_DIMS], mine.placement, mine.sbp, mine.in_placement,
+        )  # fmt: skip
+    table = collectives.all_gather_meta(mine.encode())
+    shapes = [tuple(int(n) for n in row[_HEADER : _HEADER + int(row[2])]) for row in table]
+    errors_flagged = bool(table[:, 0].any())
+    columns = [1, 3, 4] + ([2] if not compare_shapes else [])
+    disagree = any(bool((table[:, c] != table[0, c]).any()) for c in columns)
+    if compare_shapes:
+        disagree = disagree or len(set(shapes)) > 1
+    if errors_flagged or disagree:
+        _raise_everywhere(mine, what, compare_shapes)
+    return Gathered(shapes)
+
+
+def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:
+    metas: list[RankMeta] = collectives.all_gather_object(mine)
+    errors = [(r, m.error) for r, m in enumerate(metas) if m.error]
+    if errors:
+        lines = "\n".join(f"  rank {r}: {e}" for r, e in errors)
+        raise ValueError(f"{what} failed on {len(errors)} of {len(metas)} ranks:\n{lines}")
+    fields = [("placement", lambda m: m.placement), ("sbp", lambda m: m.sbp), ("dtype", lambda m: str(m.dtype))]
+    if compare_shapes:
+        fields.append(("shape", lambda m: str(list(m.shape))))
+    else:
+        fields.append(("ndim", lambda m: str(len(m.shape))))
+    lines = []
+    for name, get in fields:
+        values = [get(m) for m in metas]
+        if len(set(values)) > 1:
+            lines.append(f"  {name}: " + ", ".join(f"rank {r} passed {v}" for r, v in enumerate(values)))
+    raise ValueError(
+        f"ranks disagree in {what}:\n" + "\n".join(lines) + "\nEvery rank runs the same program "
+        "and must pass the same placement, SBP and dtype (and, for global tensors, shape). "
+        "Check for rank-dependent branches before this call."
+    )
+
+
+def world() -> tuple[int, int]:
+    return get_rank(), get_world_size()

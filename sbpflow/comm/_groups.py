@@ -1,0 +1,62 @@
+"""Process groups per set of ranks, created once and cached.
+
+# NOTE [group creation order]
+# ``torch.distributed.new_group`` must be entered by every rank of the world,
+# members or not, in the same order. Every rank runs the same program and so
+# asks for the same groups in the same order: callers pass *all* groups of a
+# step (every group along a placement axis), and each rank creates the ones it
+# has not seen yet, in the order given.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+
+from ._world import ensure_initialized, timeout_delta
+
+_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def group_of(
+    device_type: str, groups: Sequence[tuple[int, ...]], rank: int
+) -> tuple[tuple[int, ...], dist.ProcessGroup | None] | None:
+    """Create (once) every group in ``groups``; return ``rank``'s group and its handle.
+
+    Returns ``None`` when ``rank`` is in none of them. The handle is ``None`` for
+    a group of one rank (nothing to communicate).
+    """
+    ensure_initialized()
+    backend = backend_for(device_type)
+    mine = None
+    for ranks in groups:
+        key = (backend, tuple(ranks))
+        if key not in _groups:
+            _groups[key] = _new_group(backend, ranks)
+        if rank in ranks:
+            mine = (tuple(ranks), _groups[key])
+    return mine
+
+
+def world_group(device_type: str) -> dist.ProcessGroup | None:
+    ensure_initialized()
+    world = tuple(range(dist.get_world_size()))
+    found = group_of(device_type, [world], dist.get_rank())
+    assert found is not None
+    return found[1]
+
+
+def _new_group(backend: str, ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    world_size = dist.get_world_size()
+    if len(ranks) == 1 and backend == "gloo":
+        return None
+    if len(ranks) == world_size and tuple(ranks) == tuple(range(world_size)):
+        default_backend = dist.get_backend()
+        if backend in default_backend:
+            return dist.group.WORLD
+    return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())

@@ -1,0 +1,119 @@
+"""The default process group: lazy initialisation from the environment.
+
+# NOTE [lazy world]
+# sbpflow never asks the user to call ``init_process_group``. The first time
+# a collective is needed it
+#   1. reuses the default group if the user (or torchrun tooling) made one,
+#   2. else initialises one from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+#      (set by ``python -m sbpflow.distributed.launch`` and by ``torchrun``),
+#   3. else, with no environment at all, runs as a world of one on an
+#      in-memory store.
+# The backend is gloo, plus NCCL for cuda tensors when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+_DEFAULT_TIMEOUT_S = 300.0
+_timeout_s: float | None = None
+
+
+def timeout_seconds() -> float:
+    """Seconds a collective may wait before it fails (``SBPFLOW_TIMEOUT``, default 300)."""
+    if _timeout_s is not None:
+        return _timeout_s
+    value = os.environ.get("SBPFLOW_TIMEOUT")
+    if value is None:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"SBPFLOW_TIMEOUT must be a number of seconds, got {value!r}; e.g. SBPFLOW_TIMEOUT=120."
+        ) from None
+
+
+def set_timeout(seconds: float) -> None:
+    """Set the collective timeout for groups created from now on."""
+    global _timeout_s
+    if seconds <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {seconds!r}.")
+    _timeout_s = float(seconds)
+
+
+def timeout_delta() -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_seconds())
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an int, got {value!r}.") from None
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def ensure_initialized() -> None:
+    """Make sure a default process group exists (see NOTE [lazy world])."""
+    if is_initialized():
+        return
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this PyTorch build.")
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    rank = _env_int("RANK")
+    world_size = _env_int("WORLD_SIZE")
+    if rank is None or world_size is None:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout_delta())
+        return
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise RuntimeError(
+            f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR/MASTER_PORT are not; "
+            "start the script with `python -m sbpflow.distributed.launch` or `torchrun`, "
+            "or set both variables."
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(get_local_rank() % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta())
+
+
+def get_rank() -> int:
+    if is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK") or 0
+
+
+def get_world_size() -> int:
+    if is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE") or 1
+
+
+def get_local_rank() -> int:
+    local = _env_int("LOCAL_RANK")
+    if local is not None:
+        return local
+    return get_rank()
+
+
+def device_for(device_type: str) -> torch.device:
+    """The device this rank uses for tensors of a placement of ``device_type``."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "a cuda placement was used but CUDA is not available on this machine; "
+                'use sbpflow.placement("cpu", ranks) instead.'
+            )
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")

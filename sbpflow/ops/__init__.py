@@ -1,0 +1,1 @@
+"""SBP rules for ATen ops, one module per op family."""

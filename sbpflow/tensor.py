@@ -1,0 +1,340 @@
+"""Global tensors: a ``torch.Tensor`` subclass holding this rank's piece of a logical tensor.
+
+``x.to_global(placement, sbp)`` turns a local tensor into a global one;
+``g.to_global(...)`` on a global tensor changes its layout (boxing);
+``g.to_local()`` returns this rank's piece. Gradients cross the local/global
+boundary with the dual layout (see NOTE [gradient duals]).
+
+# NOTE [gradient duals]
+# For ``local.to_global(P, sbp)`` the ranks' local gradients are read as
+#   split -> split, broadcast -> partial_sum, partial_sum -> broadcast,
+# and ``g.to_local()`` reads its local gradients back the same way. The
+# backward of boxing boxes the gradient, from whatever layout it arrives in,
+# back to the forward input's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _meta_check
+from ._layout import Layout, empty_local_shape, logical_shape_from_locals
+from .boxing import executor, tracing as _trace
+from .boxing.planner import plan as _plan
+from .comm import _groups, collectives
+from .comm._world import device_for, get_rank, get_world_size
+from .placement import Placement
+from .sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, normalize, sbp_str
+
+__all__ = ["GlobalTensor", "to_global", "is_global"]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class GlobalTensor(torch.Tensor):
+    """A logical tensor spread over a placement. ``.shape``/``.dtype`` are logical."""
+
+    _local: torch.Tensor
+    _layout: Layout
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
+    ) -> GlobalTensor:
+        shape = tuple(shape)
+        self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            shape,
+            strides=_contiguous_strides(shape),
+            dtype=local.dtype,
+            device=local.device,
+            layout=local.layout,
+            requires_grad=requires_grad,
+        )
+        self._local = local
+        self._layout = layout
+        return self
+
+    # -- metadata ---------------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> NdSbp:
+        """One SBP per placement axis, as a tuple."""
+        return self._layout.sbp
+
+    @property
+    def layout_spec(self) -> Layout:
+        return self._layout
+
+    @property
+    def is_global(self) -> bool:
+        return True
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        from ._printing import global_repr
+
+        return global_repr(self)
+
+    # -- conversions ----------------------------------------------------------------
+    def to_local(self) -> torch.Tensor:
+        """This rank's piece (empty on a rank outside the placement). Differentiable."""
+        return _ToLocal.apply(self)
+
+    def to_global(  # type: ignore[override]
+        self,
+        placement: Placement | None = None,
+        sbp: SbpParallel | Sequence[SbpParallel] | None = None,
+        *,
+        check_meta: bool = True,
+        grad_sbp: Any = None,
+    ) -> GlobalTensor:
+        """Change the layout (boxing); the logical value stays the same."""
+        if placement is not None and not isinstance(placement, Placement):
+            raise TypeError(
+                f"placement must be an sbpflow.placement, got {type(placement).__name__}: "
+                f"{placement!r}. Build one with sbpflow.placement('cpu', ranks)."
+            )
+        if placement is None:
+            placement = self.placement
+        if sbp is None:
+            if placement.ndim != self.placement.ndim:
+                raise ValueError(
+                    f"to_global(placement={placement}) changes the mesh from {self.placement.ndim} "
+                    f"to {placement.ndim} axes, so the SBP cannot be kept; pass sbp= as well."
+                )
+            sbp = self.sbp
+        dst = Layout(placement, normalize(sbp, placement.ndim, self.ndim))
+        if check_meta:
+            _check_boxing_meta(self, dst)
+        return box(self, dst)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from . import _dispatch
+
+        return _dispatch.dispatch(func, args, kwargs or {})
+
+
+def is_global(x: object) -> bool:
+    return isinstance(x, GlobalTensor)
+
+
+# -- boxing -------------------------------------------------------------------------
+
+
+def box(x: GlobalTensor, dst: Layout) -> GlobalTensor:
+    """Differentiable layout change without the meta check (ranks already agree)."""
+    if dst == x._layout:
+        return x
+    return _Box.apply(x, dst)
+
+
+def _run_plan(x: GlobalTensor, dst: Layout) -> GlobalTensor:
+    boxing_plan = _plan(tuple(x.shape), x.dtype, x._layout, dst)
+    local = executor.execute(boxing_plan, x._local, get_rank())
+    return GlobalTensor(local, dst, x.shape)
+
+
+class _Box(torch.autograd.Function):
+    """Forward: boxing src -> dst. Backward: the gradient boxed back to src's layout."""
+
+    @staticmethod
+    def forward(ctx: Any, x: GlobalTensor, dst: Layout) -> GlobalTensor:  # type: ignore[override]
+        ctx.src = x._layout
+        return _run_plan(x, dst)
+
+    @staticmethod
+    def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None]:  # type: ignore[override]
+        grad = _as_global_grad(grad, "boxing")
+        return _Box.apply(grad, ctx.src), None
+
+
+def _as_global_grad(grad: Any, where: str) -> GlobalTensor:
+    if not isinstance(grad, GlobalTensor):
+        raise TypeError(
+            f"the gradient reaching {where} is a plain {type(grad).__name__}, expected a global "
+            "tensor; a global tensor's gradient must itself be global."
+        )
+    return grad
+
+
+def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
+    mine = _meta_check.RankMeta(
+        error=None,
+        dtype=x.dtype,
+        shape=tuple(x.shape),
+        placement=f"{x.placement} -> {dst.placement}",
+        sbp=f"{sbp_str(x.sbp)} -> {sbp_str(dst.sbp)}",
+        in_placement=get_rank() in x.placement,
+    )
+    _meta_check.exchange(mine, "to_global (boxing)", compare_shapes=True)
+
+
+# -- local -> global -----------------------------------------------------------------
+
+
+def _dual(sbp: NdSbp) -> NdSbp:
+    return tuple(
+        Partial("sum") if isinstance(s, Broadcast) else Broadcast() if isinstance(s, Partial) else s
+        for s in sbp
+    )
+
+
+class _FromLocal(torch.autograd.Function):
+    """Forward: local -> global. Backward: the gradient boxed to the dual layout, its local piece."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:  # type: ignore[override]
+        ctx.layout = layout
+        ctx.input_shape = x.shape
+        local = _materialise(x, layout)
+        return GlobalTensor(local, layout, shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: GlobalTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        grad = _as_global_grad(grad, "to_global")
+        layout = ctx.layout
+        dual = Layout(layout.placement, _dual(layout.sbp))
+        local = box(grad.detach(), dual)._local if grad._layout != dual else grad._local
+        if get_rank() not in layout.placement:
+            local = local.new_zeros(ctx.input_shape)
+        return local, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    """Forward: this rank's piece. Backward: local gradients read with the dual layout."""
+
+    @staticmethod
+    def forward(ctx: Any, g: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = g._layout
+        ctx.shape = tuple(g.shape)
+        return g._local.view_as(g._local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> GlobalTensor:  # type: ignore[override]
+        layout: Layout = ctx.layout
+        return GlobalTensor(grad.contiguous(), Layout(layout.placement, _dual(layout.sbp)), ctx.shape)
+
+
+def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's local tensor for ``x.to_global(layout)`` (broadcast sends from group heads)."""
+    rank = get_rank()
+    pl = layout.placement
+    b_axes = [a for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast) and pl.shape[a] > 1]
+    local = x.detach()
+    if b_axes:
+        groups = pl.groups_along(b_axes)
+        found = _groups.group_of(pl.type, groups, rank)
+        if found is not None:
+            ranks, _ = found
+            buffer = local.contiguous() if rank == ranks[0] else torch.empty_like(local, memory_format=torch.contiguous_format)
+            if rank == ranks[0] and buffer is local:
+                buffer = local  # the head only sends; dist.broadcast leaves it untouched
+            local = collectives.broadcast(buffer, ranks[0], found)
+            _trace.record(None, ["broadcast"])
+    if rank not in pl:
+        return local.new_empty(empty_local_shape(local.dim()))
+    return local
+
+
+def to_global(
+    x: torch.Tensor,
+    placement: Placement | None = None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None = None,
+    *,
+    check_meta: bool = True,
+    shape: Sequence[int] | None = None,
+) -> GlobalTensor:
+    """``x.to_global(placement, sbp)`` as a function (see ``torch.Tensor.to_global``)."""
+    if isinstance(x, GlobalTensor):
+        return x.to_global(placement, sbp, check_meta=check_meta)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
+    if placement is None or sbp is None:
+        raise ValueError(
+            "converting a local tensor needs both placement and sbp, e.g. "
+            "x.to_global(sbpflow.placement('cpu', [0, 1]), sbpflow.sbp.split(0))."
+        )
+    if not isinstance(placement, Placement):
+        raise TypeError(
+            f"placement must be an sbpflow.placement, got {type(placement).__name__}: {placement!r}. "
+            "Build one with sbpflow.placement('cpu', ranks)."
+        )
+    rank, world_size = get_rank(), get_world_size()
+    error, nd_sbp = _validate_local_args(x, placement, sbp, world_size)
+    in_placement = rank in placement
+    if in_placement and error is None:
+        device = device_for(placement.type)
+        if x.device != device:
+            x = x.to(device)
+    needs_shapes = shape is None and (
+        any(isinstance(s, Split) for s in nd_sbp) or placement.num_ranks != world_size
+    )
+    if check_meta or needs_shapes:
+        mine = _meta_check.RankMeta(
+            error=error,
+            dtype=x.dtype,
+            shape=tuple(x.shape),
+            placement=repr(placement),
+            sbp=sbp_str(nd_sbp) if error is None else repr(sbp),
+            in_placement=in_placement,
+        )
+        gathered = _meta_check.exchange(mine, "to_global", compare_shapes=False)
+        if shape is None:
+            local_shapes = {r: gathered.shapes[r] for r in placement.flat_ranks}
+            shape = logical_shape_from_locals(local_shapes, placement, nd_sbp)
+    elif error is not None:
+        raise ValueError(error)
+    logical = tuple(shape) if shape is not None else tuple(x.shape)
+    layout = Layout(placement, nd_sbp)
+    return _FromLocal.apply(x, layout, logical)
+
+
+def _validate_local_args(
+    x: torch.Tensor, placement: Placement, sbp: Any, world_size: int
+) -> tuple[str | None, NdSbp]:
+    """Errors found in this rank's own arguments (reported on every rank by the meta check)."""
+    outside = [r for r in placement.flat_ranks if r >= world_size]
+    if outside:
+        return (
+            f"{placement} names rank(s) {outside} but the world has {world_size} ranks "
+            f"(0..{world_size - 1}); use ranks that exist or launch more processes.",
+            (),
+        )
+    try:
+        return None, normalize(sbp, placement.ndim, x.dim())
+    except (TypeError, ValueError) as error:
+        return str(error), ()
+
+
+def _tensor_to_global(
+    self: torch.Tensor,
+    placement: Placement | None = None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None = None,
+    *,
+    check_meta: bool = True,
+    shape: Sequence[int] | None = None,
+) -> GlobalTensor:
+    return to_global(self, placement, sbp, check_meta=check_meta, shape=shape)
+
+
+_tensor_to_global.__doc__ = to_global.__doc__
+torch.Tensor.to_global = _tensor_to_global  # type: ignore[attr-defined]
+torch.Tensor.is_global = property(lambda self: False)  # type: ignore[attr-defined]
