@@ -1,1 +1,6 @@
-"""SBP rules for ATen ops, one module per op family."""
+"""SBP rules for ATen ops, one module per op family (see NOTE [rules] in _registry.py).
+
+Importing this package registers every family.
+"""
+
+from . import pointwise  # noqa: F401
