@@ -1,0 +1,1 @@
+"""sbpflow's tests; a package so spawned ranks can import jobs as ``tests.dist.<module>``."""

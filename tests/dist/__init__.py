@@ -1,0 +1,1 @@
+"""Multi-process tests on CPU with gloo, run through ``sbpflow.testing`` pools."""

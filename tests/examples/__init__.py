@@ -1,0 +1,1 @@
+"""Tests that the example scripts run."""

@@ -1,0 +1,1 @@
+"""Single-process tests of pure code: no process group."""
