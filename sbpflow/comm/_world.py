@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -76,6 +77,7 @@ def ensure_initialized() -> None:
     if rank is None or world_size is None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout_delta())
+        atexit.register(_destroy_at_exit)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise RuntimeError(
@@ -86,6 +88,17 @@ def ensure_initialized() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(get_local_rank() % max(torch.cuda.device_count(), 1))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta())
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    # gloo can abort a process at interpreter exit ("terminate called without an
+    # active exception") when its group was never destroyed; tear it down first.
+    if is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; a peer may already be gone
+            pass
 
 
 def get_rank() -> int:

@@ -1,0 +1,15 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sbpflow",
+    version="0.1.0",
+    description="Global tensors with SBP (split / broadcast / partial-sum) layouts for PyTorch",
+    packages=find_packages(include=["sbpflow*", "sbpflow_kernels*"]),
+    package_data={"sbpflow": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11", "networkx>=3"],
+    extras_require={
+        "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+        "test": ["pytest>=7", "numpy", "nbclient", "nbformat", "ipykernel"],
+    },
+)
