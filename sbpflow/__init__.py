@@ -6,6 +6,7 @@ engine turns one layout into another with collectives. See ``docs/``.
 
 from . import boxing, env, sbp
 from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
+from ._visualize import visualize
 from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global, to_global
@@ -29,4 +30,5 @@ __all__ = [
     "empty",
     "full",
     "arange",
+    "visualize",
 ]

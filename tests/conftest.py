@@ -13,7 +13,9 @@ module-level functions of importable modules; the repository root goes on
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +24,10 @@ import pytest
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
+
+# Plans must not depend on a calibration stored on this machine: tests (and the
+# rank pools they spawn, which inherit the environment) use an empty cache.
+os.environ["SBPFLOW_CACHE_DIR"] = tempfile.mkdtemp(prefix="sbpflow-test-cache-")
 
 from sbpflow.testing import DistributedPool, get_pool, shutdown_all  # noqa: E402
 

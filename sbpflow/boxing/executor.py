@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import Layout, box_shape, empty_local_shape, relative, split_sizes_along
+from .._layout import Layout, box_shape, empty_local_shape, relative
 from ..comm import _groups, collectives
 from ..sbp import Partial, Split
 from . import tracing as _trace
@@ -27,7 +27,8 @@ def execute(plan: BoxingPlan, local: torch.Tensor, rank: int) -> torch.Tensor:
     for step in plan.steps:
         before = local
         local, took_part = _run_step(step, plan.shape, local, rank, owned)
-        owned = owned or local is not before
+        # A slice is a view: of the caller's tensor until some step made a buffer.
+        owned = owned or (local is not before and step.op != "slice")
         if took_part:
             ran.append(step.op)
     _trace.record(plan, ran)
@@ -43,54 +44,73 @@ def execute(plan: BoxingPlan, local: torch.Tensor, rank: int) -> torch.Tensor:
 def _run_step(
     step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int, owned: bool
 ) -> tuple[torch.Tensor, bool]:
-    if not step.axes:
+    if not step.axes:  # send_recv or copy between placements
         return _run_transfer(step, shape, local, rank), True
     src, dst = step.src, step.dst
     pl = src.placement
-    groups = pl.groups_along(step.axes)
-    found = _groups.group_of(pl.type, groups, rank)
+    # One group per combination of the other axes' coordinates; with several
+    # axes (NOTE [merged axes] in planner.py) members are in row-major mesh order.
+    found = _groups.group_of(pl.type, pl.groups_along(step.axes), rank)
     if found is None:
         return local, False
-    axis = step.axes[0]
-    before, after = src.sbp[axis], dst.sbp[axis]
+    members = found[0]
+    before, after = src.sbp[step.axes[0]], dst.sbp[step.axes[0]]
     group = found
     op = step.op
     if op == "all_gather":
         assert isinstance(before, Split)
-        sizes = split_sizes_along(shape, pl, src.sbp, axis, rank, before.dim)
+        sizes = _member_sizes(shape, src, members, before.dim)
         return collectives.all_gather(local, before.dim, group, sizes), True
     if op == "all_reduce":
         assert isinstance(before, Partial)
         return collectives.all_reduce(local, group, before.reduce_op, inplace=owned), True
     if op == "reduce_scatter":
         assert isinstance(before, Partial) and isinstance(after, Split)
-        sizes = split_sizes_along(shape, pl, dst.sbp, axis, rank, after.dim)
+        sizes = _member_sizes(shape, dst, members, after.dim)
         return collectives.reduce_scatter(local, after.dim, group, sizes, before.reduce_op), True
     if op == "all_to_all":
         assert isinstance(before, Split) and isinstance(after, Split)
-        src_sizes = split_sizes_along(shape, pl, src.sbp, axis, rank, before.dim)
-        dst_sizes = split_sizes_along(shape, pl, dst.sbp, axis, rank, after.dim)
+        src_sizes = _member_sizes(shape, src, members, before.dim)
+        dst_sizes = _member_sizes(shape, dst, members, after.dim)
         out = collectives.all_to_all(local, before.dim, after.dim, group, src_sizes, dst_sizes)
         return out, True
     if op == "slice":
         return local[relative(dst.box(shape, rank), src.box(shape, rank))], True
     if op == "zero":
-        return _zero(shape, local, src, dst, axis, rank), True
+        return _zero(shape, local, src, dst, step.axes, rank), True
     raise AssertionError(f"unknown boxing op {op!r}")
 
 
-def _zero(shape: tuple[int, ...], local: torch.Tensor, src: Layout, dst: Layout, axis: int, rank: int) -> torch.Tensor:
+def _member_sizes(
+    shape: tuple[int, ...], layout: Layout, members: tuple[int, ...], dim: int
+) -> list[int]:
+    """Length along ``dim`` of each member's box, in member order.
+
+    Taken from each member's own box, not from a flat balanced split of the
+    group's block: nested splits over several axes give other sizes.
+    """
+    return [stop - start for start, stop in (layout.box(shape, r)[dim] for r in members)]
+
+
+def _zero(
+    shape: tuple[int, ...],
+    local: torch.Tensor,
+    src: Layout,
+    dst: Layout,
+    axes: tuple[int, ...],
+    rank: int,
+) -> torch.Tensor:
     """B -> P keeps the data on the group's first rank; S -> P zero-pads the shard."""
-    after = dst.sbp[axis]
+    after = dst.sbp[axes[0]]
     assert isinstance(after, Partial)
     fill = 0.0 if after.reduce_op == "sum" else _lowest(local.dtype)
     coords = src.placement.coords_of(rank)
-    if isinstance(src.sbp[axis], Split):
+    if isinstance(src.sbp[axes[0]], Split):
         src_box, dst_box = src.box(shape, rank), dst.box(shape, rank)
         out = local.new_full(box_shape(dst_box), fill)
         out[relative(src_box, dst_box)] = local
         return out
-    if after.reduce_op == "max" or coords[axis] == 0:
+    if after.reduce_op == "max" or all(coords[a] == 0 for a in axes):
         return local
     return torch.zeros_like(local)
 

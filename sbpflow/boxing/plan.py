@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._layout import Layout
 
-__all__ = ["BoxingStep", "BoxingPlan", "COLLECTIVE_OPS", "LOCAL_OPS"]
+__all__ = ["COLLECTIVE_OPS", "LOCAL_OPS", "BoxingPlan", "BoxingStep"]
 
-COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+COLLECTIVE_OPS = (
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "send_recv",
+)
 LOCAL_OPS = ("slice", "zero", "copy")
 
 
@@ -46,7 +54,7 @@ class BoxingStep:
     def __str__(self) -> str:
         where = "between placements" if not self.axes else "axis " + ",".join(map(str, self.axes))
         return (
-            f"{self.op:<14} {where:<18} {str(self.src):>10} -> {str(self.dst):<10} "
+            f"{self.op:<14} {where:<18} {self.src!s:>10} -> {self.dst!s:<10} "
             f"{_fmt_bytes(self.bytes_per_rank)}/rank  ~{_fmt_seconds(self.cost)}"
         )
 
@@ -60,7 +68,9 @@ class BoxingPlan:
     src: Layout
     dst: Layout
     steps: tuple[BoxingStep, ...]
-    graph: Any = None  # the searched networkx graph (see to_networkx)
+    # Builds the searched networkx graph on demand (see to_networkx): cached
+    # plans stay small, and only a notebook pays for the graph.
+    graph_factory: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def cost(self) -> float:
@@ -110,8 +120,14 @@ class BoxingPlan:
         )
 
     def to_networkx(self) -> Any:
-        """The searched graph of layouts; edges on the chosen path have ``chosen=True``."""
-        return self.graph
+        """The searched graph of layouts (a ``networkx.DiGraph``; nodes are layouts).
+
+        Every edge the search weighed carries ``weight`` (seconds), ``op``,
+        ``step`` (a ``BoxingStep``) and ``chosen``: ``True`` on this plan's path.
+        """
+        if self.graph_factory is None:
+            return None
+        return self.graph_factory()
 
 
 def _fmt_bytes(n: float) -> str:

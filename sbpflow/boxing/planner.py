@@ -1,8 +1,8 @@
 """The boxing planner: cheapest path between two layouts. Pure: no process group.
 
 # NOTE [one-axis transitions]
-# Each one-axis step runs independently on every group of ranks along one
-# placement axis (p ranks; "block" = the sub-tensor the group covers).
+# Each step runs independently on every group of ranks along one placement
+# axis (p ranks; "block" = the sub-tensor the group covers together).
 #
 #   from -> to     collective       bytes sent per rank      backward (grad in `to`)
 #   S(i) -> B      all_gather       (p-1)/p * block          slice (local)
@@ -13,6 +13,8 @@
 #   B    -> P      zero (local): the group's first rank keeps the data
 #   S(i) -> P      zero (local): the shard, zero-padded to the block
 #   other placement  send_recv      the bytes that move      the reverse transfer
+#                    (copy when every piece stays on its rank, e.g. (S(0), S(0))
+#                    on [[0, 1], [2, 3]] -> S(0) on [0, 1, 2, 3])
 #
 # A step on axis a that touches tensor dim d (split on either side) is only a
 # group collective when no later axis b > a also splits d: later axes cut
@@ -22,27 +24,64 @@
 # The backward of any step is planned the same way: the gradient is boxed from
 # the layout it arrives in back to the forward input's layout.
 #
-# The search is Dijkstra over (placement, N-D SBP) states in a networkx graph;
-# edge weights come from the alpha-beta model in cost.py.
+# NOTE [merged axes]
+# A step may run on several axes at once, axes = (a1 < a2 < ...), when they
+# all go from the same value to the same value. Its groups are the ranks that
+# vary only along those axes, members in row-major mesh order (groups_along),
+# and it is the table's collective over p = the product of their sizes:
+# (S(0), S(0)) -> (B, B) on a 2x2 mesh is one all_gather over four ranks,
+# because in row-major order the four pieces follow each other along dim 0;
+# (P, P) -> (B, B) is one all_reduce, (S(0), S(0)) -> (S(1), S(1)) one
+# all_to_all. The validity rule becomes: no axis outside the group after a1
+# splits a touched dim. The executor takes uneven piece sizes from each
+# member's box: nested balanced splits are not one flat balanced split (6
+# rows as (S(0), S(0)) on 2x2 are 2,1,2,1 per member; flat over 4 would be
+# 2,2,1,1). cost.py counts latency in ceil(log2 p) rounds, so a merged
+# collective never costs more than the chain of per-axis ones it replaces and
+# saves their step overheads: the search prefers it.
+#
+# The search is Dijkstra over (placement, N-D SBP) states; edges are made as
+# states are reached (_steps.py) and weighted by the alpha-beta model in
+# cost.py. ``BoxingPlan.to_networkx()`` re-runs it recording every edge.
+#
+# NOTE [plan cache]
+# ``plan`` is on every boxing call, so its hot path is one dict look-up keyed
+# on the raw arguments (shape tuple, dtype, src, dst) and the cost model's
+# generation; only a miss normalises the arguments and plans (cached again
+# per normalised layouts).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-from typing import Any, Iterable, Sequence
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 import torch
 
-from .._layout import Layout, box_at, box_numel
+from .._layout import Layout
 from ..placement import Placement
-from ..sbp import Broadcast, Partial, SbpParallel, Split, sbp_str
+from ..sbp import normalize, sbp_str
+from . import _transfer
 from . import cost as _cost
-from ._transfer import busiest_rank_bytes, is_positional, transfer_pieces
+from ._steps import Codes, Values, axis_groups, candidate_values, coded_edges, states, transfer_edge
 from .plan import BoxingPlan, BoxingStep
 
-_MAX_FULL_CROSS_STATES = 16
+__all__ = ["clear_cache", "describe_path", "plan", "searched_graph"]
+
+# Between two placements, every source state gets an edge to every destination
+# state while there are at most this many pairs (2x2 -> 2x2 with four values per
+# axis is 256); past it, only to the destination and to the same SBP there.
+_FULL_CROSS_PAIRS = 256
+_HOT_LIMIT = 8192
+
+State = tuple[int, Codes]  # (placement index: 0 source, 1 destination), sbp as codes
+Move = tuple[str, tuple[int, ...], int, float]  # op, axes, bytes sent, cost
+_hot: dict[Any, tuple[int, BoxingPlan]] = {}
 
 
 def plan(
@@ -56,11 +95,24 @@ def plan(
     ``src``/``dst`` are ``(placement, sbp)`` pairs (or ``Layout``). Needs no
     process group, so it works in a notebook with no cluster.
     """
+    key: Any = (shape, dtype, src, dst)
+    try:
+        hit = _hot.get(key)
+    except TypeError:  # a list somewhere in the arguments: not hashable as given
+        key, hit = None, None
+    generation = _cost.generation()
+    if hit is not None and hit[0] == generation:
+        return hit[1]
     src_layout = _as_layout(src, "src", len(shape))
     dst_layout = _as_layout(dst, "dst", len(shape))
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}; e.g. torch.float32.")
-    return _cached_plan(tuple(int(n) for n in shape), dtype, src_layout, dst_layout, _cost.generation())
+    result = _cached_plan(tuple(int(n) for n in shape), dtype, src_layout, dst_layout, generation)
+    if key is not None:
+        if len(_hot) >= _HOT_LIMIT:
+            _hot.clear()
+        _hot[key] = (generation, result)
+    return result
 
 
 def _as_layout(value: Any, name: str, tensor_ndim: int) -> Layout:
@@ -73,8 +125,6 @@ def _as_layout(value: Any, name: str, tensor_ndim: int) -> Layout:
             f"{name} must be a (placement, sbp) pair, got {value!r}; e.g. "
             f"{name}=(sbpflow.placement('cpu', [0, 1]), sbpflow.sbp.split(0))."
         )
-    from ..sbp import normalize
-
     return Layout(layout.placement, normalize(layout.sbp, layout.placement.ndim, tensor_ndim))
 
 
@@ -82,158 +132,178 @@ def _as_layout(value: Any, name: str, tensor_ndim: int) -> Layout:
 def _cached_plan(
     shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, cost_generation: int
 ) -> BoxingPlan:
-    src_n, dst_n = src.normalized(), dst.normalized()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if src_n == dst_n:
-        return BoxingPlan(shape, dtype, src, dst, (), None)
-    graph = build_graph(shape, itemsize, src_n, dst_n)
-    path = nx.shortest_path(graph, src_n, dst_n, weight="weight")
-    steps = tuple(graph.edges[a, b]["step"] for a, b in zip(path, path[1:]))
-    for a, b in zip(path, path[1:]):
-        graph.edges[a, b]["chosen"] = True
+    graph = functools.partial(searched_graph, shape, dtype, src, dst)
+    if src.normalized() == dst.normalized():
+        return BoxingPlan(shape, dtype, src, dst, (), graph)
+    problem = _Problem.make(shape, dtype, src, dst)
+    path, _ = _search(problem, record=False)
+    steps = tuple(problem.step(u, v, move) for u, v, move in path)
     return BoxingPlan(shape, dtype, src, dst, steps, graph)
 
 
 def clear_cache() -> None:
+    """Forget every cached plan (and the transfer geometry behind them)."""
+    _hot.clear()
     _cached_plan.cache_clear()
+    _transfer.clear_cache()
 
 
-# -- the graph ------------------------------------------------------------------
+# -- the search ------------------------------------------------------------------
 
 
-def build_graph(shape: Sequence[int], itemsize: int, src: Layout, dst: Layout) -> nx.DiGraph:
-    """Every layout on the source and destination placements, with step edges."""
-    values = _candidate_values(len(shape), src, dst)
+@dataclass
+class _Problem:
+    """What one search needs, computed once: placements, cost models, values, axis groups.
+
+    A state is ``(placement index, codes)``: 0 the source placement, 1 the
+    destination's (when they differ), and the SBP as indices into ``table``.
+    """
+
+    shape: tuple[int, ...]
+    itemsize: int
+    placements: tuple[Placement, ...]
+    models: tuple[_cost.CostModel, ...]
+    table: Values
+    groups: tuple[list[tuple[int, ...]], ...]
+    start: State
+    goal: State
+    cross_targets: list[Codes] | None  # every destination state, or None: a few per source
+    blocks: tuple[dict[Codes, int], ...]  # block bytes per placement, filled as the search goes
+
+    @staticmethod
+    def make(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout) -> _Problem:
+        src, dst = src.normalized(), dst.normalized()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        values = candidate_values(len(shape), src.sbp + dst.sbp)
+        table = Values(values)
+        placements = (
+            (src.placement,) if src.placement == dst.placement else (src.placement, dst.placement)
+        )
+        cross_targets = None
+        if len(placements) == 2:
+            num_src = _num_states(src.placement.shape, len(values))
+            num_dst = _num_states(dst.placement.shape, len(values))
+            if num_src * num_dst <= _FULL_CROSS_PAIRS:
+                cross_targets = [table.encode(t) for t in states(dst.placement.shape, values)]
+        return _Problem(
+            shape,
+            itemsize,
+            placements,
+            tuple(_cost.model_for(pl.type) for pl in placements),
+            table,
+            tuple(axis_groups(pl.shape) for pl in placements),
+            (0, table.encode(src.sbp)),
+            (len(placements) - 1, table.encode(dst.sbp)),
+            cross_targets,
+            tuple({} for _ in placements),
+        )
+
+    def edges(self, state: State) -> Iterator[tuple[State, Move]]:
+        index, codes = state
+        pl, model, blocks = self.placements[index], self.models[index], self.blocks[index]
+        for axes in self.groups[index]:
+            for _, op, sent, cost, new in coded_edges(
+                self.shape, self.itemsize, pl, codes, axes, self.table, model, blocks
+            ):
+                yield (index, new), (op, axes, sent, cost)
+        if index == 0 and len(self.placements) == 2:
+            yield from self._transfers(codes)
+
+    def _transfers(self, codes: Codes) -> Iterator[tuple[State, Move]]:
+        src_pl, dst_pl = self.placements
+        model, table, goal = self.models[1], self.table, self.goal[1]
+        targets = self.cross_targets
+        if targets is None:
+            targets = [goal]
+            if src_pl.ndim == dst_pl.ndim:
+                same = table.encode(Layout(dst_pl, table.decode(codes)).normalized().sbp)
+                if same != goal:
+                    targets.append(same)
+        source = Layout(src_pl, table.decode(codes))
+        reductions = table.reductions(codes)
+        for target in targets:
+            if target != goal and table.reductions(target) - reductions:
+                # A partial stop on the way (zero-filled, then reduced again
+                # there) never beats sending its B form; only partial sources
+                # move partial data, positionally.
+                continue
+            edge = transfer_edge(
+                self.shape, self.itemsize, source, Layout(dst_pl, table.decode(target)), model
+            )
+            if edge is not None:
+                yield (1, target), edge[:4]
+
+    def layout(self, state: State) -> Layout:
+        return Layout(self.placements[state[0]], self.table.decode(state[1]))
+
+    def step(self, u: State, v: State, move: Move) -> BoxingStep:
+        op, axes, sent, cost = move
+        return BoxingStep(op, self.layout(u), self.layout(v), axes, sent, cost)
+
+
+def _num_states(mesh_shape: Sequence[int], num_values: int) -> int:
+    return math.prod(num_values if n > 1 else 1 for n in mesh_shape)
+
+
+Path = list[tuple[State, State, "Move"]]
+
+
+def _search(problem: _Problem, record: bool) -> tuple[Path, Path]:
+    """Dijkstra from ``problem.start`` to ``problem.goal``: the path, and every edge seen if ``record``."""
+    best: dict[State, float] = {problem.start: 0.0}
+    back: dict[State, tuple[State, Move]] = {}
+    heap: list[tuple[float, int, State]] = [(0.0, 0, problem.start)]
+    done: set[State] = set()
+    seen: Path = []
+    tick = 1  # ties break by discovery order, the same on every rank
+    while heap:
+        dist, _, u = heapq.heappop(heap)
+        if u in done:
+            continue
+        done.add(u)
+        if u == problem.goal:
+            break
+        for v, move in problem.edges(u):
+            if record:
+                seen.append((u, v, move))
+            candidate = dist + move[3]
+            if candidate < best.get(v, math.inf):
+                best[v] = candidate
+                back[v] = (u, move)
+                heapq.heappush(heap, (candidate, tick, v))
+                tick += 1
+    assert problem.goal in done, "every layout reaches every other through B"
+    path: Path = []
+    state = problem.goal
+    while state != problem.start:
+        prev, move = back[state]
+        path.append((prev, state, move))
+        state = prev
+    path.reverse()
+    return path, seen
+
+
+def searched_graph(
+    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout
+) -> nx.DiGraph:
+    """The graph of layouts the search reached, every edge it weighed, the chosen path marked."""
+    problem = _Problem.make(tuple(shape), dtype, src, dst)
     graph = nx.DiGraph()
-    placements = [src.placement] if src.placement == dst.placement else [src.placement, dst.placement]
-    states_by_placement = {}
-    for pl in placements:
-        model = _cost.model_for(pl.type)
-        states = _states(pl, values)
-        states_by_placement[pl] = states
-        for state in states:
-            graph.add_node(state, label=str(state), placement=str(pl))
-            for step in one_axis_steps(shape, itemsize, state, values, model):
-                _add_step(graph, step)
-    if src.placement != dst.placement:
-        model = _cost.model_for(dst.placement.type)
-        sources = states_by_placement[src.placement]
-        targets = states_by_placement[dst.placement]
-        for step in cross_steps(shape, itemsize, sources, targets, dst, model):
-            _add_step(graph, step)
+    graph.add_node(problem.layout(problem.start))
+    path: Path = []
+    if problem.start != problem.goal:
+        path, seen = _search(problem, record=True)
+        for u, v, move in seen:
+            _add_edge(graph, problem.step(u, v, move))
+    for u, v, _ in path:
+        graph.edges[problem.layout(u), problem.layout(v)]["chosen"] = True
+    for node in graph.nodes:
+        graph.nodes[node].update(label=str(node), placement=str(node.placement))
     return graph
 
 
-def _add_step(graph: nx.DiGraph, step: BoxingStep) -> None:
-    a, b = step.src, step.dst
-    if graph.has_edge(a, b) and graph.edges[a, b]["weight"] <= step.cost:
-        return
-    graph.add_edge(a, b, weight=step.cost, step=step, op=step.op, chosen=False)
-
-
-def _candidate_values(ndim: int, src: Layout, dst: Layout) -> list[SbpParallel]:
-    values: list[SbpParallel] = [Broadcast(), Partial("sum")] + [Split(d) for d in range(ndim)]
-    for s in src.sbp + dst.sbp:
-        if s not in values:
-            values.append(s)
-    return values
-
-
-def _states(pl: Placement, values: Sequence[SbpParallel]) -> list[Layout]:
-    per_axis = [values if size > 1 else [Broadcast()] for size in pl.shape]
-    return [Layout(pl, combo) for combo in itertools.product(*per_axis)]
-
-
-def one_axis_steps(
-    shape: Sequence[int],
-    itemsize: int,
-    state: Layout,
-    values: Iterable[SbpParallel],
-    model: _cost.CostModel,
-) -> list[BoxingStep]:
-    steps = []
-    for axis, size in enumerate(state.placement.shape):
-        if size == 1:
-            continue
-        for value in values:
-            step = one_axis_step(shape, itemsize, state, axis, value, model)
-            if step is not None:
-                steps.append(step)
-    return steps
-
-
-def one_axis_step(
-    shape: Sequence[int],
-    itemsize: int,
-    state: Layout,
-    axis: int,
-    value: SbpParallel,
-    model: _cost.CostModel,
-) -> BoxingStep | None:
-    """The step that changes axis ``axis`` of ``state`` to ``value``, or ``None`` if none is direct."""
-    current = state.sbp[axis]
-    if value == current:
-        return None
-    touched = {s.dim for s in (current, value) if isinstance(s, Split)}
-    for later in state.sbp[axis + 1 :]:
-        if isinstance(later, Split) and later.dim in touched:
-            return None  # see NOTE [one-axis transitions]
-    pl = state.placement
-    p = pl.shape[axis]
-    dst = Layout(pl, state.sbp[:axis] + (value,) + state.sbp[axis + 1 :])
-    block_sbp = state.sbp[:axis] + (Broadcast(),) + state.sbp[axis + 1 :]
-    block = box_numel(box_at(shape, pl, block_sbp, (0,) * pl.ndim)) * itemsize
-    op, cost, sent = _transition(current, value, p, block, model)
-    if op is None:
-        return None
-    return BoxingStep(op, state, dst, (axis,), int(sent), cost)
-
-
-def _transition(
-    current: SbpParallel, value: SbpParallel, p: int, block: float, model: _cost.CostModel
-) -> tuple[str | None, float, float]:
-    split_from, split_to = isinstance(current, Split), isinstance(value, Split)
-    if split_from and isinstance(value, Broadcast):
-        return "all_gather", model.all_gather(p, block), (p - 1) / p * block
-    if isinstance(current, Partial) and isinstance(value, Broadcast):
-        return "all_reduce", model.all_reduce(p, block), 2 * (p - 1) / p * block
-    if isinstance(current, Partial) and split_to:
-        return "reduce_scatter", model.reduce_scatter(p, block), (p - 1) / p * block
-    if split_from and split_to:
-        return "all_to_all", model.all_to_all(p, block), (p - 1) / (p * p) * block
-    if isinstance(current, Broadcast) and split_to:
-        return "slice", model.local(0), 0
-    if isinstance(value, Partial) and not isinstance(current, Partial):
-        return "zero", model.local(block), 0
-    return None, 0.0, 0.0  # P(sum) <-> P(max): no direct step
-
-
-def cross_steps(
-    shape: Sequence[int],
-    itemsize: int,
-    sources: Sequence[Layout],
-    targets: Sequence[Layout],
-    dst: Layout,
-    model: _cost.CostModel,
-) -> list[BoxingStep]:
-    """Point-to-point edges from source-placement states to destination-placement states."""
-    full = len(sources) * len(targets) <= _MAX_FULL_CROSS_STATES**2
-    steps = []
-    for s in sources:
-        if full:
-            wanted = list(targets)
-        else:
-            wanted = [dst] + [t for t in targets if t.sbp == s.sbp]
-        for t in wanted:
-            if s.has_partial and not is_positional(s, t):
-                continue
-            pieces = transfer_pieces(shape, s, t)
-            nbytes, messages = busiest_rank_bytes(pieces, itemsize)
-            cost = model.send_recv(messages, nbytes)
-            if t.has_partial and not is_positional(s, t):
-                cost += model.local(box_numel(t.box(shape, t.placement.flat_ranks[0])) * itemsize)
-            steps.append(BoxingStep("send_recv", s, t, (), nbytes, cost))
-    return steps
+def _add_edge(graph: nx.DiGraph, step: BoxingStep) -> None:
+    graph.add_edge(step.src, step.dst, weight=step.cost, step=step, op=step.op, chosen=False)
 
 
 def describe_path(steps: Sequence[BoxingStep]) -> str:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 _DEFAULT_TIMEOUT_S = 300.0
+_RENDEZVOUS_TIMEOUT_S = 600.0  # ranks may start minutes apart on a busy cluster
 _timeout_s: float | None = None
 
 
@@ -87,8 +88,33 @@ def ensure_initialized() -> None:
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(get_local_rank() % max(torch.cuda.device_count(), 1))
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta())
+    dist.init_process_group(
+        backend, store=_rendezvous(rank, world_size), rank=rank, world_size=world_size,
+        timeout=timeout_delta(),
+    )  # fmt: skip
     atexit.register(_destroy_at_exit)
+
+
+def _rendezvous(rank: int, world_size: int) -> dist.Store:
+    """Meet every rank through the ``env://`` store, waiting up to the rendezvous limit.
+
+    Ranks start seconds apart (imports, a node booting late), so joining the
+    world may take far longer than a collective should wait: a short
+    ``SBPFLOW_TIMEOUT`` (say 10 s, to surface hangs quickly) must not make
+    startup fail. The store is created with the longer rendezvous limit and
+    every rank waits on it until all have arrived; then the limit drops to the
+    collective timeout, so the group's connection setup starts in step and
+    later waits on the store (group creation) are bounded like collectives.
+    """
+    limit = datetime.timedelta(seconds=max(timeout_seconds(), _RENDEZVOUS_TIMEOUT_S))
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=limit))
+    store.set_timeout(limit)
+    if store.add("sbpflow/arrived", 1) == world_size:
+        store.set("sbpflow/all_arrived", "1")
+    store.wait(["sbpflow/all_arrived"])
+    store.set_timeout(timeout_delta())  # from here on, waits are bounded like collectives
+    # Keys of the default group go under a prefix, as init_process_group does.
+    return dist.PrefixStore("default_pg", store)
 
 
 def _destroy_at_exit() -> None:

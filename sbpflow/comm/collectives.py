@@ -20,6 +20,10 @@ from ._world import timeout_seconds
 
 Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -62,14 +66,52 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return local
     num = len(ranks)
     longest = max(sizes)
+    if dim != 0 and _group_order(ranks) is None and all(s == longest for s in sizes):
+        return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
     with _named("all_gather", ranks):
-        dist.all_gather_into_tensor(out, piece, group=handle)
-    if all(s == longest for s in sizes):
+        _all_gather_single(out, piece, group=handle)
+    slot = _group_slots(ranks)
+    if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
-    pieces = [out[k * longest : k * longest + s] for k, s in enumerate(sizes)]
+    slots = slot or list(range(num))
+    pieces = [out[slots[k] * longest : slots[k] * longest + s] for k, s in enumerate(sizes)]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+
+
+# NOTE [inner-dim collectives]
+# Even all_gather / reduce_scatter along an inner dim (dim > 0) put the pieces
+# on the wire in their own layout and interleave them with one copy whose
+# contiguous runs are whole rows (prod(shape[dim:]) elements), instead of
+# transposing the tensor to put ``dim`` first and back (two element-wise copies).
+
+
+def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    ranks, handle = group
+    num = len(ranks)
+    piece = local.contiguous()
+    out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
+    with _named("all_gather", ranks):
+        _all_gather_single(out.view(-1), piece.view(-1), group=handle)
+    shape = list(piece.shape)
+    shape[dim] *= num
+    return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
+
+
+def _reduce_scatter_inner(
+    block: torch.Tensor, dim: int, group: Group, reduce_op: str
+) -> torch.Tensor:
+    ranks, handle = group
+    num = len(ranks)
+    shape = list(block.shape)
+    shape[dim : dim + 1] = [num, shape[dim] // num]
+    src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
+    out = src.new_empty(src.shape[1:])
+    op = _REDUCE_OPS[reduce_op]
+    with _named("reduce_scatter", ranks):
+        _reduce_scatter_single(out.view(-1), src.view(-1), op=op, group=handle)
+    return out
 
 
 def _merge_leading(out: torch.Tensor, num: int, dim: int) -> torch.Tensor:
@@ -87,7 +129,10 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
     ranks, handle = group
     if handle is None:
         return local
-    out = local if inplace and local.is_contiguous() else local.contiguous().clone()
+    if inplace and local.is_contiguous():
+        out = local
+    else:  # one copy, even from a non-contiguous view
+        out = local.clone(memory_format=torch.contiguous_format)
     with _named("all_reduce", ranks):
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=handle)
     return out
@@ -102,15 +147,19 @@ def reduce_scatter(
         return block
     index = _my_index(ranks)
     longest = max(sizes)
+    order = _group_order(ranks)
+    if dim != 0 and order is None and all(s == longest for s in sizes):
+        return _reduce_scatter_inner(block, dim, group, reduce_op)
     moved = block.movedim(dim, 0)
-    if all(s == longest for s in sizes):
+    if order is None and all(s == longest for s in sizes):
         src = moved.contiguous()
     else:
         chunks = torch.split(moved, list(sizes), dim=0)
-        src = torch.cat([_pad_to(c, 0, longest) for c in chunks], dim=0)
+        members = order or range(len(ranks))
+        src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
     with _named("reduce_scatter", ranks):
-        dist.reduce_scatter_tensor(out, src, op=_REDUCE_OPS[reduce_op], group=handle)
+        _reduce_scatter_single(out, src, op=_REDUCE_OPS[reduce_op], group=handle)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -132,10 +181,13 @@ def all_to_all(
     if handle is None:
         return local
     index = _my_index(ranks)
-    send_chunks = torch.split(local, list(dst_sizes), dim=dst_dim)
-    send = torch.cat([c.reshape(-1) for c in send_chunks]) if local.numel() else local.reshape(-1)
+    order = _group_order(ranks)
+    members = order or list(range(len(ranks)))  # member at each process-group slot
+    chunks = torch.split(local, list(dst_sizes), dim=dst_dim)
+    send_chunks = [chunks[k] for k in members]
+    send = _pack(send_chunks, local)
     recv_shapes = []
-    for k in range(len(ranks)):
+    for k in members:
         shape = list(local.shape)
         shape[src_dim] = src_sizes[k]
         shape[dst_dim] = dst_sizes[index]
@@ -146,12 +198,26 @@ def all_to_all(
         dist.all_to_all_single(
             recv, send, recv_numels, [c.numel() for c in send_chunks], group=handle
         )
-    pieces = [p.view(s) for p, s in zip(torch.split(recv, recv_numels), recv_shapes)]
-    if src_dim == 0:
+    if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
         return recv.view(shape)
+    received = [p.view(s) for p, s in zip(torch.split(recv, recv_numels), recv_shapes)]
+    pieces = [received[slot] for slot in _group_slots(ranks) or range(len(ranks))]
     return torch.cat(pieces, dim=src_dim)
+
+
+def _pack(chunks: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The chunks flattened one after another into a new buffer: one copy.
+
+    (``torch.cat`` of ``c.reshape(-1)`` would copy a non-contiguous chunk twice.)
+    """
+    send = like.new_empty(sum(c.numel() for c in chunks))
+    offset = 0
+    for c in chunks:
+        send[offset : offset + c.numel()].view(c.shape).copy_(c)
+        offset += c.numel()
+    return send
 
 
 def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor:
@@ -189,8 +255,35 @@ def all_gather_meta(vector: torch.Tensor) -> torch.Tensor:
         return vector.view(1, -1)
     out = vector.new_empty(world * vector.numel())
     with _named("metadata check (all_gather)", range(world)):
-        dist.all_gather_into_tensor(out, vector, group=handle)
+        # An all_to_all of the vector repeated: one message to each peer, all at
+        # once, where gloo's ring all_gather takes world - 1 hops in sequence.
+        # This runs on every user-level to_global, so its latency is what counts.
+        dist.all_to_all_single(out, vector.repeat(world), group=handle)
     return out.view(world, -1)
+
+
+# NOTE [member order]
+# ``ranks`` lists a group's members in mesh order, which is the order pieces
+# are concatenated in. ``torch.distributed.new_group`` numbers its ranks in
+# sorted order instead, so for a mesh like [[2, 3], [0, 1]] the process-group
+# slot of a member differs from its position; the helpers below translate.
+
+
+def _group_order(ranks: Sequence[int]) -> list[int] | None:
+    """The member (mesh position) at each process-group slot; ``None`` when they agree."""
+    order = sorted(range(len(ranks)), key=lambda k: ranks[k])
+    return None if order == list(range(len(ranks))) else order
+
+
+def _group_slots(ranks: Sequence[int]) -> list[int] | None:
+    """The process-group slot of each member; ``None`` when they agree."""
+    order = _group_order(ranks)
+    if order is None:
+        return None
+    slots = [0] * len(ranks)
+    for slot, member in enumerate(order):
+        slots[member] = slot
+    return slots
 
 
 def _my_index(ranks: Sequence[int]) -> int:

@@ -1,0 +1,157 @@
+"""Pure parts of calibration: the alpha-beta fit, the stored file, and the cost model loading it.
+
+The reference for the fit is the cost model itself: samples generated from
+known constants with cost.py's formulas must give those constants back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import sbp
+from sbpflow.boxing import _calibration_store as store
+from sbpflow.boxing import cost
+from sbpflow.boxing.calibrate import Calibration, Sample, _fit
+
+
+@pytest.fixture(autouse=True)
+def _clean_cost_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv("SBPFLOW_CACHE_DIR", str(tmp_path))
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    cost.reset()
+    yield
+    cost.reset()
+
+
+def _samples(
+    alpha: float, beta: float, ops: tuple[str, ...] = ("all_reduce", "all_gather")
+) -> list[Sample]:
+    model = cost.CostModel(cost.LinkCost(alpha, beta))
+    return [
+        Sample(op, p, size, getattr(model, op)(p, size))
+        for op in ops
+        for p in (2, 4)
+        for size in (4096, 1 << 20, 64 << 20)
+    ]
+
+
+_FALLBACK = cost.LinkCost(60e-6, 1.5e9)
+
+
+@pytest.mark.parametrize("alpha, beta", [(60e-6, 1.5e9), (1e-3, 2e8), (5e-6, 100e9)])
+def test_fit_recovers_the_constants_it_was_generated_with(alpha: float, beta: float) -> None:
+    samples = _samples(alpha, beta, ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
+    link = _fit(samples, _FALLBACK)
+    assert link.alpha == pytest.approx(alpha, rel=1e-6)
+    assert link.beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_fit_keeps_both_constants_positive() -> None:
+    # Times that fall with size (noise) say nothing about bandwidth: the fallback's is kept.
+    noisy = [Sample("all_reduce", 2, 4096, 2e-3), Sample("all_reduce", 2, 1 << 20, 1e-3)]
+    link = _fit(noisy, _FALLBACK)
+    assert link.beta == _FALLBACK.beta and link.alpha > 0
+    # Latency too small to see (fits negative): floored, bandwidth still fitted.
+    fake = cost.CostModel(cost.LinkCost(-1e-6, 1e9))  # what the samples below follow
+    samples = [Sample("all_gather", 4, n, fake.all_gather(4, n)) for n in (4096, 1 << 20, 1 << 26)]
+    link = _fit(samples, _FALLBACK)
+    assert 0 < link.alpha <= 1e-6 and 1e9 <= link.beta <= 3e9  # between the small and large sizes
+    # One size only: latency and bandwidth cannot be told apart; still positive.
+    link = _fit([Sample("all_gather", 4, 1 << 20, 1e-3)], _FALLBACK)
+    assert link.alpha > 0 and link.beta > 0
+
+
+def test_store_round_trip_and_model_for_reads_the_file(tmp_path: Path) -> None:
+    default_cost = _s0_to_b_cost()
+    path = store.path_for("gloo", 1)
+    assert path.parent == tmp_path and path.name.startswith("calibration-")
+    record = {
+        "version": store.FORMAT_VERSION,
+        "alpha": 2e-3,
+        "beta": 1e8,
+        "ops": {"all_gather": {"alpha": 3e-3, "beta": 5e7}},
+    }
+    store.save(record, path)
+    cost.reset()
+    model = cost.model_for("cpu")
+    assert model.link == cost.LinkCost(2e-3, 1e8)
+    assert model.link_for("all_gather") == cost.LinkCost(3e-3, 5e7)
+    assert model.link_for("all_reduce") == model.link
+    assert _s0_to_b_cost() != default_cost
+    assert cost.model_for("cuda") == cost.CostModel.default("nccl")  # other backend untouched
+
+
+def test_newest_file_of_this_machine_serves_other_world_sizes(tmp_path: Path) -> None:
+    store.save(
+        {"version": store.FORMAT_VERSION, "alpha": 1e-4, "beta": 1e9}, store.path_for("gloo", 4)
+    )
+    assert store.load("gloo", 1) is not None  # a notebook (world of one) plans with it
+    assert cost.model_for("cpu").link == cost.LinkCost(1e-4, 1e9)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"version": store.FORMAT_VERSION, "alpha": -1.0, "beta": 1e9}),
+        json.dumps({"version": store.FORMAT_VERSION, "alpha": 1e-4}),
+        json.dumps({"version": 999, "alpha": 1e-4, "beta": 1e9}),
+        json.dumps({"version": store.FORMAT_VERSION, "alpha": 1e-4, "beta": 1e9, "ops": {"x": 1}}),
+    ],
+)
+def test_bad_files_are_ignored(content: str) -> None:
+    path = store.path_for("gloo", 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    assert store.load("gloo", 1) is None
+    assert cost.model_for("cpu") == cost.CostModel.default("gloo")
+
+
+def test_set_model_wins_over_the_file_and_invalidates_plans() -> None:
+    store.save(
+        {"version": store.FORMAT_VERSION, "alpha": 1e-4, "beta": 1e9}, store.path_for("gloo", 1)
+    )
+    before = cost.generation()
+    installed = cost.CostModel(cost.LinkCost(5e-3, 1e7))
+    cost.set_model("gloo", installed)
+    assert cost.generation() > before
+    assert cost.model_for("cpu") is installed
+    assert _s0_to_b_cost() == pytest.approx(installed.all_gather(2, 64 * 64 * 4))
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        cost.set_model("mpi", installed)
+
+
+def test_cache_dir_defaults_to_user_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SBPFLOW_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert store.cache_dir() == tmp_path / "xdg" / "sbpflow"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert store.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "sbpflow"
+
+
+def test_calibration_prints_its_constants() -> None:
+    result = Calibration("gloo", 4, cost.LinkCost(1e-4, 2e9), measured=False)
+    assert "alpha 100.0 us/message, beta 2.00 GB/s" in str(result)
+    assert "not measured" in str(result)
+    assert result.model == cost.CostModel(cost.LinkCost(1e-4, 2e9))
+
+
+def test_calibrate_is_exported() -> None:
+    assert "calibrate" in sbpflow.boxing.__all__
+    assert callable(sbpflow.boxing.calibrate)
+
+
+def _s0_to_b_cost() -> float:
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.boxing.plan(
+        (64, 64), torch.float32, (placement, sbp.split(0)), (placement, sbp.broadcast)
+    )
+    return plan.cost

@@ -1,0 +1,219 @@
+"""The planner finds the cheapest plan, merges mesh axes, and matches published step counts.
+
+Pure: no process group. The reference is an exhaustive search written here:
+every sequence of up to four steps (every set of mesh axes times every target
+value, priced by the planner's own step function ``_steps.collective_edge``),
+enumerated layer by layer. The planner's Dijkstra must reach the same minimum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow._layout import Layout
+from sbpflow.boxing import _steps, cost, planner
+from sbpflow.sbp import Broadcast, Partial, Split
+
+S0, S1, S2, B, P = Split(0), Split(1), Split(2), Broadcast(), Partial("sum")
+MAX_STEPS = 4
+MESH_2X2 = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+MESH_2X4 = sbpflow.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]])
+MESH_2X2X2 = sbpflow.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+MODEL = cost.CostModel.default("gloo")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixed_cost_model():
+    """Plan with the default constants, whatever a calibration on this machine stored."""
+    cost.set_model("gloo", MODEL)
+    planner.clear_cache()
+    yield
+    cost.reset()
+    planner.clear_cache()
+
+
+class Exhaustive:
+    """Best cost over all step sequences of at most ``MAX_STEPS`` steps on one placement."""
+
+    def __init__(self, shape: tuple[int, ...], placement: sbpflow.placement) -> None:
+        self.shape, self.placement = shape, placement
+        self.values = [B, P] + [Split(d) for d in range(len(shape))]
+        moving = [a for a, n in enumerate(placement.shape) if n > 1]
+        self.axis_sets = [
+            c for k in range(1, len(moving) + 1) for c in itertools.combinations(moving, k)
+        ]
+        self._edges: dict[tuple, list[tuple[tuple, float]]] = {}
+
+    def edges(self, sbp: tuple) -> list[tuple[tuple, float]]:
+        if sbp not in self._edges:
+            found = []
+            for axes in self.axis_sets:
+                for value in self.values:
+                    edge = _steps.collective_edge(
+                        self.shape, 4, self.placement, sbp, axes, value, MODEL
+                    )
+                    if edge is not None:
+                        found.append((edge[4], edge[3]))
+            self._edges[sbp] = found
+        return self._edges[sbp]
+
+    def best(self, src: tuple, dst: tuple) -> tuple[float, int]:
+        """``(cost, steps)`` of the cheapest sequence; ``(inf, -1)`` if none within the limit."""
+        if src == dst:
+            return 0.0, 0
+        layer = {src: 0.0}  # cheapest cost of exactly k steps to each state
+        best, best_len = math.inf, -1
+        for k in range(1, MAX_STEPS + 1):
+            nxt: dict[tuple, float] = {}
+            for state, so_far in layer.items():
+                for target, step_cost in self.edges(state):
+                    total = so_far + step_cost
+                    if total < nxt.get(target, math.inf):
+                        nxt[target] = total
+            if dst in nxt and nxt[dst] < best - 1e-15:
+                best, best_len = nxt[dst], k
+            layer = nxt
+        return best, best_len
+
+
+def _check_optimal(search: Exhaustive, src: tuple, dst: tuple) -> None:
+    shape, pl = search.shape, search.placement
+    result = planner.plan(shape, torch.float32, (pl, src), (pl, dst))
+    src_n = Layout(pl, src).normalized().sbp
+    dst_n = Layout(pl, dst).normalized().sbp
+    expected, length = search.best(src_n, dst_n)
+    assert length != -1, f"{src} -> {dst}: no sequence of <= {MAX_STEPS} steps"
+    assert len(result.steps) <= MAX_STEPS
+    assert math.isclose(result.cost, expected, rel_tol=1e-9, abs_tol=1e-12), (
+        f"{src} -> {dst}: planner {result.cost * 1e6:.3f} us, exhaustive {expected * 1e6:.3f} us\n{result}"
+    )
+    # Each step of the plan is one of the searched steps, priced the same.
+    state = src_n
+    for step in result.steps:
+        assert step.src.sbp == state
+        options = dict(search.edges(state))
+        assert math.isclose(options[step.dst.sbp], step.cost), str(step)
+        state = step.dst.sbp
+    assert state == dst_n
+
+
+VALUES_2D = [S0, S1, B, P]
+PAIRS_2D = list(itertools.product(itertools.product(VALUES_2D, repeat=2), repeat=2))
+
+
+@pytest.mark.parametrize("mesh", [MESH_2X2, MESH_2X4], ids=["2x2", "2x4"])
+@pytest.mark.parametrize("shape", [(8, 12), (7, 5)], ids=["even", "uneven"])
+def test_every_2d_pair_is_optimal(mesh: sbpflow.placement, shape: tuple[int, int]) -> None:
+    search = Exhaustive(shape, mesh)
+    for src, dst in PAIRS_2D:
+        _check_optimal(search, src, dst)
+
+
+def _sample_3d(count: int, seed: int) -> list[tuple[tuple, tuple]]:
+    signatures = list(itertools.product([S0, S1, S2, B, P], repeat=3))
+    rnd = random.Random(seed)
+    return [(rnd.choice(signatures), rnd.choice(signatures)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("shape", [(8, 8, 8), (5, 6, 7)], ids=["even", "uneven"])
+def test_sampled_3d_pairs_are_optimal(shape: tuple[int, int, int]) -> None:
+    search = Exhaustive(shape, MESH_2X2X2)
+    for src, dst in _sample_3d(150, seed=len(shape) * 7 + shape[0]):
+        _check_optimal(search, src, dst)
+
+
+# -- merging ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "src, dst, op",
+    [
+        ((S0, S0), (B, B), "all_gather"),
+        ((P, P), (B, B), "all_reduce"),
+        ((P, P), (S0, S0), "reduce_scatter"),
+        ((S0, S0), (S1, S1), "all_to_all"),
+    ],
+)
+@pytest.mark.parametrize("shape", [(8, 8), (7, 5)], ids=["even", "uneven"])
+def test_merged_axes_make_one_collective(src: tuple, dst: tuple, op: str, shape: tuple) -> None:
+    result = planner.plan(shape, torch.float32, (MESH_2X2, src), (MESH_2X2, dst))
+    assert [(s.op, s.axes) for s in result.steps] == [(op, (0, 1))], str(result)
+
+
+def test_merged_collective_on_three_axes() -> None:
+    result = planner.plan(
+        (8, 8, 8), torch.float32, (MESH_2X2X2, (S0, S0, S0)), (MESH_2X2X2, (B, B, B))
+    )
+    assert [(s.op, s.axes) for s in result.steps] == [("all_gather", (0, 1, 2))]
+
+
+def test_no_merge_when_another_axis_cuts_inside() -> None:
+    """(S(0), S(1), S(0)): axes 0 and 1 cannot gather dim 0 together while axis 2 splits it."""
+    result = planner.plan(
+        (8, 8, 8), torch.float32, (MESH_2X2X2, (S0, S1, S0)), (MESH_2X2X2, (B, S1, B))
+    )
+    for step in result.steps:
+        if step.op == "all_gather" and 0 in step.axes:
+            assert 2 in step.axes or step.src.sbp[2] != S0, str(result)
+
+
+# -- published DTensor cases: collective counts -------------------------------------
+
+MESH_4X1 = sbpflow.placement("cpu", [[0], [1], [2], [3]])
+
+# (shape, mesh, src, dst, collectives DTensor's planner uses, collectives here).
+# Merged axes go below DTensor where the layout allows one collective over the
+# whole mesh: (S(0), S(0)) -> (S(1), S(1)) is one all_to_all over four ranks.
+PUBLISHED = [
+    ((8, 8), MESH_2X2, (S0, S1), (S0, S0), 1, 1),
+    ((8, 8), MESH_2X2, (S0, S1), (S1, S0), 2, 2),
+    ((8, 8), MESH_2X2, (S0, S0), (S1, S1), 2, 1),
+    ((8, 8, 8), MESH_2X2, (S0, S2), (S1, S0), 2, 2),
+    ((8, 8, 8), MESH_2X2, (S1, S1), (S1, S2), 1, 1),
+    ((8, 8, 8), MESH_2X2X2, (S0, S0, S0), (S1, S1, S1), 3, 1),
+] + [((8, 8), MESH_4X1, (S0, x), (S0, y), 0, 0) for x in (S1, B, P) for y in (S0, S1, B)]
+
+
+@pytest.mark.parametrize("shape, mesh, src, dst, published, here", PUBLISHED)
+def test_published_collective_counts(shape, mesh, src, dst, published, here) -> None:
+    result = planner.plan(shape, torch.float32, (mesh, src), (mesh, dst))
+    count = len(result.collectives())
+    assert count <= published, str(result)
+    assert count == here, str(result)
+
+
+# -- cache and graph ----------------------------------------------------------------
+
+
+def test_plans_are_cached_on_raw_and_normalised_arguments() -> None:
+    a = planner.plan((8, 8), torch.float32, (MESH_2X2, (S0, S1)), (MESH_2X2, (B, B)))
+    assert planner.plan((8, 8), torch.float32, (MESH_2X2, (S0, S1)), (MESH_2X2, (B, B))) is a
+    assert (
+        planner.plan(
+            torch.Size([8, 8]), torch.float32, Layout(MESH_2X2, (S0, S1)), (MESH_2X2, [B, B])
+        )
+        is a
+    )
+    assert planner.plan([8, 8], torch.float32, (MESH_2X2, [S0, S1]), (MESH_2X2, (B, B))) is a
+
+
+def test_new_cost_constants_replan() -> None:
+    before = planner.plan((8, 8), torch.float32, (MESH_2X2, (P, P)), (MESH_2X2, (B, B)))
+    cost.set_model("gloo", MODEL)  # same constants, but a new generation
+    after = planner.plan((8, 8), torch.float32, (MESH_2X2, (P, P)), (MESH_2X2, (B, B)))
+    assert after is not before and after.steps == before.steps
+
+
+def test_to_networkx_marks_the_chosen_path() -> None:
+    result = planner.plan((8, 8), torch.float32, (MESH_2X2, (S0, S1)), (MESH_2X2, (S1, S0)))
+    graph = result.to_networkx()
+    chosen = {(u, v) for u, v, chosen in graph.edges(data="chosen") if chosen}
+    assert chosen == {(s.src, s.dst) for s in result.steps}
+    assert all(graph.edges[s.src, s.dst]["op"] == s.op for s in result.steps)
+    assert graph.number_of_edges() > len(result.steps)
