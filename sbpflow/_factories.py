@@ -5,7 +5,10 @@ Each rank builds only its own piece. Random tensors depend only on the seed
 
 # NOTE [counter-based random]
 # Element ``i`` (flat index in the logical tensor) of the ``k``-th random
-# tensor created since ``sbpflow.manual_seed(s)`` is a hash of ``(s, k, i)``.
+# tensor created since ``sbpflow.manual_seed(s)`` is murmur3_32 of the words
+# ``(s, k, stream, i)``: a full-avalanche hash, so neighbouring indices and
+# seeds give independent bits (a bare finaliser maps 0 to 0 and leaves small
+# inputs poorly mixed).
 # A rank computes exactly its slice, split ranks get different slices of the
 # same logical tensor, broadcast ranks identical data, and no rank ever holds
 # more than its piece. Normal samples use Box-Muller on two such uniforms.
@@ -14,7 +17,8 @@ Each rank builds only its own piece. Random tensors depend only on the seed
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -67,7 +71,7 @@ def _build(
     if rank in layout.placement:
         box = layout.box(shape, rank)
         local = make(box, device)
-        if any(isinstance(s, type(layout.sbp[0])) and s.is_partial for s in layout.sbp):
+        if layout.has_partial:
             local = _partial_piece(local, layout, rank)
     else:
         local = torch.empty(empty_local_shape(len(shape)), dtype=dtype, device=device)
@@ -84,7 +88,9 @@ def _partial_piece(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tens
     return local
 
 
-def _flat_index(box: Sequence[tuple[int, int]], shape: Sequence[int], device: torch.device) -> torch.Tensor:
+def _flat_index(
+    box: Sequence[tuple[int, int]], shape: Sequence[int], device: torch.device
+) -> torch.Tensor:
     index = torch.zeros((), dtype=torch.int64, device=device)
     for d, (start, stop) in enumerate(box):
         stride = math.prod(shape[d + 1 :])
@@ -93,21 +99,87 @@ def _flat_index(box: Sequence[tuple[int, int]], shape: Sequence[int], device: to
     return index
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    # murmur3's 32-bit finaliser, on int64 holding 32-bit values.
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
+# The mixing helpers take a Python int (the per-tensor words) or an int64
+# tensor of 32-bit values, which they update *in place* (the callers own it):
+# hashing a million elements allocates a few buffers instead of hundreds.
+_Word = torch.Tensor | int
 
 
-def _uniform(index: torch.Tensor, stream: int) -> torch.Tensor:
-    """Uniform floats in (0, 1) from the counter ``(seed, tensor number, stream, index)``."""
-    key = _hash32(torch.tensor(_seed ^ (_counter * 0x9E3779B9) ^ (stream << 20)) + (_seed >> 32))
-    mixed = _hash32(_hash32((index & _MASK32) ^ key) ^ (index >> 32) ^ _hash32(key + 1))
-    return ((mixed >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+def _mul32(x: _Word, c: int) -> _Word:
+    # (x * c) mod 2**32 in 16-bit halves, so int64 products never overflow.
+    if isinstance(x, int):
+        return (x * c) & _MASK32
+    high = (x * (c >> 16)).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(c & 0xFFFF).add_(high).bitwise_and_(_MASK32)
+
+
+def _rotl32(x: _Word, r: int) -> _Word:
+    if isinstance(x, int):
+        return ((x << r) & _MASK32) | (x >> (32 - r))
+    low = x >> (32 - r)
+    return x.bitwise_left_shift_(r).bitwise_and_(_MASK32).bitwise_or_(low)
+
+
+def _xor_shift(x: _Word, r: int) -> _Word:
+    if isinstance(x, int):
+        return x ^ (x >> r)
+    return x.bitwise_xor_(x >> r)
+
+
+def _fmix32(h: _Word) -> _Word:
+    # murmur3's finaliser: full avalanche of a 32-bit state.
+    h = _mul32(_xor_shift(h, 16), 0x85EBCA6B)
+    h = _mul32(_xor_shift(h, 13), 0xC2B2AE35)
+    return _xor_shift(h, 16)
+
+
+def _absorb(h: _Word, word: _Word) -> _Word:
+    # One 32-bit block of murmur3_32 (constants from the reference implementation).
+    k = _mul32(_rotl32(_mul32(word, 0xCC9E2D51), 15), 0x1B873593)
+    if isinstance(k, torch.Tensor):
+        mixed: _Word = k.bitwise_xor_(h)
+    else:
+        mixed = h ^ k if isinstance(h, int) else h.bitwise_xor_(k)
+    mixed = _mul32(_rotl32(mixed, 13), 5)
+    if isinstance(mixed, int):
+        return (mixed + 0xE6546B64) & _MASK32
+    return mixed.add_(0xE6546B64).bitwise_and_(_MASK32)
+
+
+def _random_bits(index: torch.Tensor, stream: int) -> torch.Tensor:
+    """32 random bits per element: murmur3_32 of ``(seed, tensor number, stream, index)``.
+
+    The six 32-bit words are ``seed_lo, seed_hi, counter, stream, index_hi,
+    index_lo``. Words that are the same for every element (all but
+    ``index_lo``, and ``index_hi`` below 2**32 elements) are absorbed once in
+    Python, so a typical tensor costs one block and the finaliser in tensor ops.
+    """
+    h: _Word = 0
+    for word in (_seed & _MASK32, _seed >> 32, _counter & _MASK32, stream):
+        h = _absorb(h, word)
+    high = index >> 32
+    if index.numel() == 0 or int(high.min()) == int(high.max()):
+        h = _absorb(h, int(high.min()) if index.numel() else 0)
+    else:
+        h = _absorb(h, high)
+    mixed = _absorb(h, index & _MASK32)
+    assert isinstance(mixed, torch.Tensor)
+    return _fmix32(mixed.bitwise_xor_(24))  # type: ignore[return-value]  # 24 = bytes hashed
+
+
+def _uniform(index: torch.Tensor, stream: int, bits: int = 32) -> torch.Tensor:
+    """Uniform float64 in [0, 1) on a grid of ``2**-bits`` (``bits`` <= 32).
+
+    Using no more bits than the target dtype's mantissa keeps the value below 1
+    after the cast (1 - 2**-32 rounds to 1.0 in float32).
+    """
+    return (_random_bits(index, stream) >> (32 - bits)).to(torch.float64) * (2.0**-bits)
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    if not dtype.is_floating_point:
+        return 32
+    return min(32, 1 - round(math.log2(torch.finfo(dtype).eps)))  # float32: 24, float16: 11
 
 
 def rand(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
@@ -131,11 +203,11 @@ def _random(size: Sequence[Any], placement: Any, sbp: Any, dtype: torch.dtype | 
 
     def make(box: Any, device: torch.device) -> torch.Tensor:
         index = _flat_index(box, shape, device)
-        u1 = _uniform(index, 0)
         if name == "rand":
-            return u1
-        u2 = _uniform(index, 1)
-        return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
+            return _uniform(index, 0, _mantissa_bits(dtype))
+        # Box-Muller; 1 - u is in (0, 1], so the log is finite (|z| < 6.7 at 32 bits).
+        radius = torch.sqrt(-2.0 * torch.log1p(-_uniform(index, 0)))
+        return radius * torch.cos(2 * math.pi * _uniform(index, 1))
 
     out = _build(shape, layout, dtype, make, requires_grad)
     _counter += 1
@@ -184,12 +256,36 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement, 
     """1-D ``torch.arange`` as a global tensor; each rank computes only its piece."""
     if end is None:
         start, end = 0, start
-    reference = torch.arange(start, end, step, device="meta", dtype=dtype)
-    shape = tuple(reference.shape)
+    start, end, step = (v.item() if isinstance(v, torch.Tensor) else v for v in (start, end, step))
+    length, dtype = _arange_meta(start, end, step, dtype)
     layout = _layout_for(placement, sbp, 1, "arange")
 
     def make(box: Any, device: torch.device) -> torch.Tensor:
-        (lo, hi), = box
+        ((lo, hi),) = box
         return torch.arange(lo, hi, dtype=torch.float64, device=device) * step + start
 
-    return _build(shape, layout, reference.dtype, make, requires_grad)
+    return _build((length,), layout, dtype, make, requires_grad)
+
+
+def _arange_meta(
+    start: Any, end: Any, step: Any, dtype: torch.dtype | None
+) -> tuple[int, torch.dtype]:
+    """Length and dtype of ``torch.arange(start, end, step)``, as torch computes them.
+
+    Worked out here rather than with a meta-device ``torch.arange``: the first
+    meta call imports torch's reference ops, which costs seconds per process.
+    """
+    for name, value in (("start", start), ("end", end), ("step", step)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"arange {name} must be an int or float, got {value!r}.")
+    if step == 0:
+        raise ValueError("arange step must be non-zero, got 0.")
+    if (end - start) * step < 0:
+        raise ValueError(
+            f"arange(start={start}, end={end}, step={step}): the step points away from end; "
+            "use a step with the sign of end - start."
+        )
+    if dtype is None:
+        any_float = any(isinstance(v, float) for v in (start, end, step))
+        dtype = torch.get_default_dtype() if any_float else torch.int64
+    return math.ceil((end - start) / step), dtype
