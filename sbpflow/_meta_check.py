@@ -45,16 +45,17 @@ class RankMeta:
     in_placement: bool
 
     def encode(self) -> torch.Tensor:
-        vec = torch.zeros(_HEADER + MAX_DIMS, dtype=torch.int64)
-        vec[0] = 1 if self.error else 0
-        vec[1] = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99
-        vec[2] = len(self.shape)
-        vec[3] = stable_hash(self.placement)
-        vec[4] = stable_hash(self.sbp)
-        vec[5] = 1 if self.in_placement else 0
-        for i, n in enumerate(self.shape[:MAX_DIMS]):
-            vec[_HEADER + i] = n
-        return vec
+        header = [
+            1 if self.error else 0,
+            _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99,
+            len(self.shape),
+            stable_hash(self.placement),
+            stable_hash(self.sbp),
+            1 if self.in_placement else 0,
+        ]
+        dims = list(self.shape[:MAX_DIMS])
+        values = header + [0] * (_HEADER - len(header)) + dims + [0] * (MAX_DIMS - len(dims))
+        return torch.tensor(values, dtype=torch.int64)  # one op: this runs on every to_global
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,12 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
             mine.error or f"tensors with more than {MAX_DIMS} dims are not supported (got {len(mine.shape)})",
             mine.dtype, mine.shape[:MAX_DIMS], mine.placement, mine.sbp, mine.in_placement,
         )  # fmt: skip
-    table = collectives.all_gather_meta(mine.encode())
-    shapes = [tuple(int(n) for n in row[_HEADER : _HEADER + int(row[2])]) for row in table]
-    errors_flagged = bool(table[:, 0].any())
+    # Decoded as Python lists: per-element tensor indexing costs ~100 us per call.
+    rows: list[list[int]] = collectives.all_gather_meta(mine.encode()).tolist()
+    shapes = [tuple(row[_HEADER : _HEADER + row[2]]) for row in rows]
+    errors_flagged = any(row[0] for row in rows)
     columns = [1, 3, 4] + ([2] if not compare_shapes else [])
-    disagree = any(bool((table[:, c] != table[0, c]).any()) for c in columns)
+    disagree = any(row[c] != rows[0][c] for row in rows for c in columns)
     if compare_shapes:
         disagree = disagree or len(set(shapes)) > 1
     if errors_flagged or disagree:
