@@ -1,14 +1,22 @@
 """The one dispatch path for ATen ops on global tensors.
 
 # NOTE [dispatch]
-# 1. Ops that only touch metadata or aliasing (detach, alias) are handled here.
-# 2. Otherwise the op's SBP rule (registered per op family in ``sbpflow.ops``,
+# 1. Ops that only touch metadata or aliasing (detach, alias) and reading a
+#    scalar (item: the logical value, a collective) are handled here.
+# 2. An op with a decomposition (foreach ops, the AMP inf check, norms over a
+#    split dim, ...) runs it: a function of the global arguments calling other
+#    ops, which dispatch again; it may decline (NotImplemented) and go on to 3.
+# 3. Otherwise the op's SBP rule (registered per op family in ``sbpflow.ops``,
 #    see NOTE [rules]) proposes per-axis strategies; their N-D combination
 #    whose input boxing is cheapest wins, inputs are boxed to it, the op runs
 #    on local tensors, and outputs are wrapped with the strategy's output SBP.
-#    The decision is cached per (op, input layouts, shapes, dtypes, arguments).
-# 3. An op with no rule falls back to boxing every input to broadcast and
-#    computing locally: always correct, never silent (warns once per op).
+#    An input the op writes into (in-place, schema alias ``a!``) must keep its
+#    layout: only strategies that leave it as it is qualify. The decision is
+#    cached per (op, input layouts, shapes, dtypes, arguments).
+# 4. An op with no rule (or no strategy keeping a written input's layout)
+#    falls back to boxing every input to broadcast and computing locally,
+#    writing results back into written inputs: always correct, never silent
+#    (warns once per op; ``sbpflow.boxing.trace().fallbacks`` records it).
 # Boxing here is not differentiable: dispatch runs below autograd, which
 # differentiates the op itself through its backward formula (more ops).
 """
@@ -16,9 +24,11 @@
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -26,11 +36,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._layout import Layout
 from .boxing import tracing as _trace
 from .boxing.planner import plan as _plan
+from .comm import _groups
 from .comm._world import get_rank
 from .ops import _registry
 from .ops._registry import LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
-from .sbp import Broadcast
+from .sbp import Broadcast, Partial
 
 aten = torch.ops.aten
 
@@ -52,6 +63,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if handler is not None:
         return handler(func, args, kwargs)
     _load_rules()
+    decomposition = _registry.lookup_decomposition(func)
+    if decomposition is not None:
+        out = decomposition(func, args, kwargs)
+        if out is not NotImplemented:  # NotImplemented: the rule handles this case
+            return out
     registered = _registry.lookup(func)
     if registered is None:
         return fallback(func, args, kwargs)
@@ -70,6 +86,14 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return GlobalTensor(func(x._local), x._layout, x.shape)
 
 
+@special(aten._local_scalar_dense.default, aten.item.default)
+def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``t.item()`` (and ``float(t)``, ``bool(t)``): the logical value, on every rank."""
+    from ._printing import logical_value
+
+    return logical_value(args[0]).item()
+
+
 # -- rules ----------------------------------------------------------------------------
 
 
@@ -78,9 +102,14 @@ class _Decision:
     input_layouts: tuple[Layout, ...]
     output_layouts: tuple[Layout, ...]
     output_metas: tuple[TensorMeta, ...]
+    # Where the tensor outputs sit among the flattened outputs. Kernels may
+    # return None where the meta kernel returns a tensor (masked outputs of
+    # *_backward ops), so outputs are matched by position, not by count.
+    output_positions: tuple[int, ...]
 
 
-_decisions: dict[Any, _Decision] = {}
+_decisions: dict[Any, _Decision | None] = {}
+_UNDECIDED: Any = object()
 
 
 def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -88,27 +117,27 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
 
     flat, spec = tree_flatten((args, kwargs))
     placement = _common_placement(func, flat)
+    _groups.ensure_placement_groups(placement, get_rank())
     full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
     for i, a in enumerate(flat):  # plain tensors join as broadcast globals (scalars stay)
         if type(a) is torch.Tensor and a.dim() > 0:
             flat[i] = GlobalTensor(a, full, a.shape)
     positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     globals_ = [flat[i] for i in positions]
+    mutated = _mutated_ids(func, args, kwargs)
     key = _cache_key(func, flat)
-    decision = _decisions.get(key) if key is not None else None
-    if decision is None:
-        decision = _decide(registered, func, flat, spec, positions, placement)
+    decision = _decisions.get(key, _UNDECIDED) if key is not None else _UNDECIDED
+    if decision is _UNDECIDED:
+        kept = [k for k, g in enumerate(globals_) if id(g) in mutated]
+        decision = _decide(registered, func, flat, spec, positions, placement, kept)
         if key is not None:
             _decisions[key] = decision
-    mutated = _mutated_ids(func, args, kwargs)
+    if decision is None:  # no strategy keeps a written input's layout
+        return fallback(func, args, kwargs)
     local_flat = list(flat)
-    for i, g, layout in zip(positions, globals_, decision.input_layouts):
-        if g._layout != layout:
-            if id(g) in mutated:
-                raise RuntimeError(
-                    f"{func} writes into an input laid out as {g._layout} but needs {layout}; "
-                    "box the input with .to_global(sbp=...) first."
-                )
+    for i, g, layout in zip(positions, globals_, decision.input_layouts, strict=True):
+        if g._layout.normalized() != layout.normalized():
+            assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
             g = _run_plan(g, layout)
         local_flat[i] = g._local
     local_args, local_kwargs = tree_unflatten(local_flat, spec)
@@ -122,11 +151,19 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
             list(decision.output_layouts),
             [TensorMeta(tuple(g.shape), g.dtype) for g in globals_],
             list(decision.output_metas),
+            _global_args(flat, spec),
         )
         out = registered.local(func, local_args, local_kwargs, ctx)
     else:
         out = func(*local_args, **local_kwargs)
     return _wrap_outputs(out, decision, globals_, mutated)
+
+
+def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:
+    from .tensor import GlobalTensor
+
+    marks, _ = tree_unflatten([isinstance(a, GlobalTensor) for a in flat], spec)
+    return frozenset(i for i, m in enumerate(marks) if any(tree_flatten(m)[0]))
 
 
 def _common_placement(func: Any, flat: list[Any]) -> Placement:
@@ -155,6 +192,10 @@ def _cache_key(func: Any, flat: list[Any]) -> Any:
             parts.append((a._layout, tuple(a.shape), a.dtype))
         elif isinstance(a, torch.Tensor):
             parts.append(("t", tuple(a.shape), a.dtype))
+        elif isinstance(a, float) and a != 0 and math.isfinite(a):
+            # Learning rates and Adam's step size change every step; rules only
+            # tell 0 and non-finite floats apart (NOTE [rules]), so one entry serves.
+            parts.append(float)
         else:
             parts.append(a)
     key = tuple(parts)
@@ -172,6 +213,8 @@ def _to_meta(a: Any) -> Any:
         if isinstance(a, GlobalTensor):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")
         return a.to("meta")
+    if isinstance(a, torch.device):  # e.g. _to_copy(..., device=cpu): stay on meta
+        return torch.device("meta")
     return a
 
 
@@ -182,11 +225,17 @@ def _decide(
     spec: Any,
     positions: list[int],
     placement: Placement,
-) -> _Decision:
+    kept: list[int],
+) -> _Decision | None:
+    """The cheapest N-D strategy; ``kept`` inputs (written in place) must keep their layout.
+
+    ``None`` when no strategy keeps them (the caller falls back).
+    """
     meta_args, meta_kwargs = tree_unflatten([_to_meta(a) for a in flat], spec)
     meta_out = func(*meta_args, **meta_kwargs)
     out_flat, _ = tree_flatten(meta_out)
-    output_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in out_flat if isinstance(o, torch.Tensor))
+    output_positions = tuple(i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor))
+    output_metas = tuple(TensorMeta(tuple(out_flat[i].shape), out_flat[i].dtype) for i in output_positions)
     info_flat = list(flat)
     inputs = []
     for i in positions:
@@ -195,25 +244,63 @@ def _decide(
         inputs.append(meta)
     info_args, info_kwargs = tree_unflatten(info_flat, spec)
     per_axis: list[list[Strategy]] = []
-    for size in placement.shape:
-        info = OpInfo(func, info_args, info_kwargs, inputs, list(output_metas), size)
+    for axis, size in enumerate(placement.shape):
+        now = [flat[i]._layout.normalized().sbp[axis] for i in positions]
+        info = OpInfo(func, info_args, info_kwargs, inputs, list(output_metas), size, now)
         strategies = list(registered.rule(info))
         if not strategies:
-            raise RuntimeError(f"the SBP rule for {func} returned no strategy for {_describe(flat)}")
+            raise RuntimeError(
+                f"the SBP rule for {func} returned no strategy for {_describe(flat)}"
+            )
+        for s in strategies:
+            if len(s.inputs) != len(inputs) or len(s.outputs) != len(output_metas):
+                raise RuntimeError(
+                    f"the SBP rule for {func} returned {s} for {len(inputs)} global input(s) and "
+                    f"{len(output_metas)} tensor output(s); this is a bug in that rule."
+                )
         per_axis.append(strategies)
     current = [flat[i]._layout for i in positions]
     best = None
     for combo in itertools.product(*per_axis):
-        ins = tuple(Layout(placement, tuple(s.inputs[k] for s in combo)) for k in range(len(positions)))
+        ins = tuple(
+            Layout(placement, tuple(s.inputs[k] for s in combo)) for k in range(len(positions))
+        )
+        if any(ins[k].normalized() != current[k].normalized() for k in kept):
+            continue
         cost = 0.0
-        for layout, have, meta in zip(ins, current, inputs):
+        for layout, have, meta in zip(ins, current, inputs, strict=True):
             if layout.normalized() != have.normalized():
-                cost += _plan(meta.shape, meta.dtype, have, layout).cost + 1e-9
+                cost += _boxing_cost(meta, have, layout)
         if best is None or cost < best[0]:
-            outs = tuple(Layout(placement, tuple(s.outputs[k] for s in combo)) for k in range(len(output_metas)))
+            outs = tuple(
+                Layout(placement, tuple(s.outputs[k] for s in combo))
+                for k in range(len(output_metas))
+            )
             best = (cost, ins, outs)
-    assert best is not None
-    return _Decision(best[1], best[2], output_metas)
+    if best is None:
+        return None
+    return _Decision(best[1], best[2], output_metas, output_positions)
+
+
+def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:
+    """Estimated seconds to box an input from ``have`` to ``want`` for an op.
+
+    Turning a split or broadcast axis into a partial one is a free local step,
+    but the partial value must be reduced later; charge that reduction now so
+    ops don't pick a partial signature just because it is cheap to enter.
+    """
+    cost = _plan(meta.shape, meta.dtype, have, want).cost + 1e-9
+    new_partial = [
+        a for a, (h, w) in enumerate(zip(have.sbp, want.sbp))
+        if isinstance(w, Partial) and not isinstance(h, Partial) and want.placement.shape[a] > 1
+    ]
+    if new_partial:
+        reduced = Layout(
+            want.placement,
+            tuple(Broadcast() if a in new_partial else s for a, s in enumerate(want.sbp)),
+        )
+        cost += _plan(meta.shape, meta.dtype, want, reduced).cost
+    return cost
 
 
 def _describe(flat: list[Any]) -> str:
@@ -247,27 +334,33 @@ def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: s
 
     by_local = {id(g._local): g for g in globals_ if id(g) in mutated}
     out_flat, out_spec = tree_flatten(out)
-    k = 0
+    index_of = {p: k for k, p in enumerate(decision.output_positions)}
     wrapped = []
-    for o in out_flat:
+    for position, o in enumerate(out_flat):
         if isinstance(o, torch.Tensor):
             if id(o) in by_local:
                 wrapped.append(by_local[id(o)])
             else:
-                wrapped.append(GlobalTensor(o, decision.output_layouts[k], decision.output_metas[k].shape))
-            k += 1
+                k = index_of[position]
+                wrapped.append(
+                    GlobalTensor(o, decision.output_layouts[k], decision.output_metas[k].shape)
+                )
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, out_spec)
 
 
-def _wrap_outputs_outside(func: Any, decision: _Decision, local_args: Any, local_kwargs: Any) -> Any:
+def _wrap_outputs_outside(
+    func: Any, decision: _Decision, local_args: Any, local_kwargs: Any
+) -> Any:
     """A rank outside the placement skips the op and holds empty outputs."""
     from ._layout import empty_local_shape
     from .tensor import GlobalTensor
 
-    metas = iter(zip(decision.output_layouts, decision.output_metas))
-    meta_out = func(*tree_flatten_map(_to_meta, local_args), **tree_flatten_map(_to_meta, local_kwargs))
+    metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
+    meta_out = func(
+        *tree_flatten_map(_to_meta, local_args), **tree_flatten_map(_to_meta, local_kwargs)
+    )
     out_flat, out_spec = tree_flatten(meta_out)
     wrapped = []
     for o in out_flat:
@@ -289,7 +382,11 @@ def tree_flatten_map(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Box every global input to broadcast, run locally, wrap outputs as broadcast."""
+    """Box every global input to broadcast, run locally, wrap outputs as broadcast.
+
+    An input the op writes into is boxed back to its own layout afterwards and
+    copied into its local tensor, so in-place ops stay in place.
+    """
     from .tensor import GlobalTensor, _run_plan
 
     name = str(func)
@@ -301,15 +398,42 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "it runs on every rank (correct, but slow). Register a rule in sbpflow.ops to avoid this.",
             stacklevel=3,
         )
+    mutated = _mutated_ids(func, args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     placement = _common_placement(func, flat)
+    full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
+    written: list[tuple[Any, torch.Tensor]] = []  # (global written into, its broadcast local)
     for i, a in enumerate(flat):
         if isinstance(a, GlobalTensor):
-            dst = Layout(a.placement, tuple(Broadcast() for _ in a.sbp))
-            flat[i] = (_run_plan(a, dst) if a._layout != dst else a)._local
+            local = (
+                _run_plan(a, full) if a._layout.normalized() != full.normalized() else a
+            )._local
+            if id(a) in mutated:
+                written.append((a, local))
+            flat[i] = local
     local_args, local_kwargs = tree_unflatten(flat, spec)
+    if get_rank() not in placement:
+        meta_out = func(
+            *tree_flatten_map(_to_meta, local_args), **tree_flatten_map(_to_meta, local_kwargs)
+        )
+        metas = tuple(
+            TensorMeta(tuple(o.shape), o.dtype)
+            for o in tree_flatten(meta_out)[0]
+            if isinstance(o, torch.Tensor)
+        )
+        decision = _Decision((), tuple(full for _ in metas), metas)
+        return _wrap_outputs_outside(func, decision, local_args, local_kwargs)
     out = func(*local_args, **local_kwargs)
-    layout = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
+    by_local = {}
+    for g, local in written:
+        by_local[id(local)] = g
+        if local is not g._local:
+            g._local.copy_(_run_plan(GlobalTensor(local, full, g.shape), g._layout)._local)
     out_flat, out_spec = tree_flatten(out)
-    wrapped = [GlobalTensor(o, layout, o.shape) if isinstance(o, torch.Tensor) else o for o in out_flat]
+    wrapped = [
+        (by_local[id(o)] if id(o) in by_local else GlobalTensor(o, full, o.shape))
+        if isinstance(o, torch.Tensor)
+        else o
+        for o in out_flat
+    ]
     return tree_unflatten(wrapped, out_spec)

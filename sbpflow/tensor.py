@@ -15,20 +15,22 @@ boundary with the dual layout (see NOTE [gradient duals]).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
 
 from . import _meta_check
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
-from .boxing import executor, tracing as _trace
+from .boxing import executor
+from .boxing import tracing as _trace
 from .boxing.planner import plan as _plan
 from .comm import _groups, collectives
 from .comm._world import device_for, get_rank, get_world_size
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, normalize, sbp_str
 
-__all__ = ["GlobalTensor", "to_global", "is_global"]
+__all__ = ["GlobalTensor", "is_global", "keep_grad_layout", "to_global"]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -63,6 +65,8 @@ class GlobalTensor(torch.Tensor):
         )
         self._local = local
         self._layout = layout
+        if requires_grad:
+            keep_grad_layout(self)
         return self
 
     # -- metadata ---------------------------------------------------------------------
@@ -87,10 +91,41 @@ class GlobalTensor(torch.Tensor):
     def is_local(self) -> bool:
         return False
 
+    # -- reading the logical value (collectives: every rank must call, see _printing) --
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         from ._printing import global_repr
 
         return global_repr(self)
+
+    def __format__(self, format_spec: str) -> str:
+        from ._printing import global_format
+
+        return global_format(self, format_spec)
+
+    def tolist(self) -> Any:
+        """The logical value as nested lists, on every rank (a collective)."""
+        from ._printing import logical_value
+
+        return logical_value(self).tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The logical value as a numpy array, on every rank (a collective)."""
+        from ._printing import logical_value
+
+        if self.requires_grad and not force:
+            raise RuntimeError(
+                "Can't call numpy() on a global tensor that requires grad; "
+                "use t.detach().numpy() instead."
+            )
+        return logical_value(self).numpy(force=force)
+
+    # -- autograd -------------------------------------------------------------------
+    def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
+        """As ``torch.Tensor.requires_grad_``; a leaf's gradient then keeps its layout."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            keep_grad_layout(self)
+        return self
 
     # -- conversions ----------------------------------------------------------------
     def to_local(self) -> torch.Tensor:
@@ -134,6 +169,28 @@ class GlobalTensor(torch.Tensor):
 
 def is_global(x: object) -> bool:
     return isinstance(x, GlobalTensor)
+
+
+def keep_grad_layout(leaf: torch.Tensor) -> None:
+    """Make ``leaf``'s incoming gradient arrive in ``leaf``'s own layout (idempotent).
+
+    A parameter's gradient can come out of the backward pass partial or split
+    (a broadcast weight times a split batch gives a partial-sum gradient). A
+    hook boxes it to the parameter's layout before it is accumulated into
+    ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
+    so ``optimizer.step()`` is purely local.
+    """
+    if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
+        return
+    owner = weakref.ref(leaf)
+
+    def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        param = owner()
+        if param is None or not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
+            return None
+        return box(grad, param._layout)
+
+    leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
 
 
 # -- boxing -------------------------------------------------------------------------

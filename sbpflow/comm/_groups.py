@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
@@ -41,6 +42,25 @@ def group_of(
         if rank in ranks:
             mine = (tuple(ranks), _groups[key])
     return mine
+
+
+_prepared: set[Any] = set()
+
+
+def ensure_placement_groups(placement: Any, rank: int) -> None:
+    """Create, on every rank, the groups along every set of ``placement``'s axes.
+
+    Op rules may communicate inside their local computation, which ranks
+    outside the placement skip; creating the groups up front (a collective
+    over the whole world, see NOTE [group creation order]) keeps those ranks
+    from being missed when such a group is first needed.
+    """
+    if placement in _prepared:
+        return
+    for count in range(1, placement.ndim + 1):
+        for axes in itertools.combinations(range(placement.ndim), count):
+            group_of(placement.type, placement.groups_along(axes), rank)
+    _prepared.add(placement)
 
 
 def world_group(device_type: str) -> dist.ProcessGroup | None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Union
 import torch
 
 from ..placement import Placement
-from ..tensor import GlobalTensor, to_global
+from ..tensor import GlobalTensor, keep_grad_layout, to_global
 
 SbpSpec = Union[Any, Callable[[str, torch.Tensor], Any]]
 
@@ -28,6 +28,8 @@ def module_to_global(module: torch.nn.Module, placement: Placement, sbp: SbpSpec
             full = f"{prefix}.{name}" if prefix else name
             value = _convert(param.detach(), placement, _sbp_for(sbp, full, param))
             new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+            if new.requires_grad:
+                keep_grad_layout(new)  # its gradient arrives in its own layout
             sub._parameters[name] = new
         for name, buf in list(sub._buffers.items()):
             if buf is None:

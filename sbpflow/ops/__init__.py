@@ -3,4 +3,15 @@
 Importing this package registers every family.
 """
 
-from . import pointwise  # noqa: F401
+from . import (  # noqa: F401  (importing a family registers its rules)
+    factories,
+    matmul,
+    nn_layers,
+    nn_loss,
+    nn_norm,
+    nn_random,
+    optim,
+    pointwise,
+    reductions,
+    views,
+)

@@ -12,19 +12,45 @@
 # split dim, a view whose size argument must be the local size, ...) also
 # register a ``local`` function that receives the local arguments and a
 # ``LocalContext`` describing the chosen layouts.
+#
+# Decisions are cached per op, input layouts/shapes/dtypes and arguments, but
+# float arguments enter the key only as "0", "non-finite" or "some float"
+# (learning rates change every step): a rule must not depend on other float
+# values. ``local`` functions see the actual values.
+#
+# A few ops are not one local computation in any layout (foreach ops over
+# lists of differently laid-out tensors, the AMP inf check whose flag must
+# agree on every rank): they register a *decomposition* instead, a function
+# of the global arguments that calls other ops (which dispatch again) or
+# boxes explicitly. Packet registrations (``aten.add``) never cover ``out=``
+# overloads: their written ``out`` argument is an extra input no rule expects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .._layout import Layout
-from ..sbp import SbpParallel
+from ..sbp import Broadcast, Partial, SbpParallel, Split
 
-__all__ = ["Strategy", "OpInfo", "LocalContext", "Rule", "register", "lookup", "registered_ops"]
+__all__ = [
+    "LocalContext",
+    "OpInfo",
+    "Rule",
+    "Strategy",
+    "TensorMeta",
+    "bind",
+    "every_sbp",
+    "lookup",
+    "lookup_decomposition",
+    "register",
+    "register_decomposition",
+    "registered_ops",
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +78,9 @@ class OpInfo:
     ``args``/``kwargs`` hold global inputs as ``TensorMeta`` (logical) and
     everything else as passed. ``inputs`` lists the global inputs' metadata in
     the order they appear (flattened); ``outputs`` the tensor outputs' logical
-    metadata; ``mesh_axis_size`` the size of the axis being decided.
+    metadata; ``mesh_axis_size`` the size of the axis being decided;
+    ``current`` each global input's SBP on that axis now (for ops that never
+    read their input's values and so accept it as it is, like ``ones_like``).
     """
 
     func: Any
@@ -61,6 +89,45 @@ class OpInfo:
     inputs: list[TensorMeta]
     outputs: list[TensorMeta]
     mesh_axis_size: int
+    current: list[SbpParallel] = field(default_factory=list)
+
+    def input_at(self, position: int) -> int | None:
+        """Index in ``inputs`` of the global tensor passed as positional arg ``position``.
+
+        ``None`` when that argument is not a global tensor (a number, a plain
+        0-dim tensor, ``None``), which is what decides e.g. whether ``x + 2``
+        may keep a partial ``x`` (it may not: every rank would add 2).
+        """
+        if position >= len(self.args):
+            return None
+        value = self.args[position]
+        for k, meta in enumerate(self.inputs):
+            if value is meta:
+                return k
+        return None
+
+    def arg(self, position: int, name: str, default: Any = None) -> Any:
+        """Argument ``name`` whether passed positionally (at ``position``) or by keyword."""
+        if position < len(self.args):
+            return self.args[position]
+        return self.kwargs.get(name, default)
+
+    def bound(self) -> dict[str, Any]:
+        """Every schema argument by name (defaults filled in); see ``bind``."""
+        return bind(self.func, self.args, self.kwargs)
+
+
+def bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments by schema name, with defaults for those not passed."""
+    out: dict[str, Any] = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if i < len(args) and not argument.kwarg_only:
+            out[argument.name] = args[i]
+        elif argument.name in kwargs:
+            out[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            out[argument.name] = argument.default_value
+    return out
 
 
 @dataclass
@@ -72,9 +139,25 @@ class LocalContext:
     output_layouts: list[Layout]
     input_metas: list[TensorMeta]
     output_metas: list[TensorMeta]
+    global_args: frozenset[int] = frozenset()  # positional args that are (or hold) globals
 
     def local_output_shape(self, index: int = 0) -> tuple[int, ...]:
         return self.output_layouts[index].local_shape(self.output_metas[index].shape, self.rank)
+
+    def holds_constants(self, index: int = 0) -> bool:
+        """Whether this rank's piece of output ``index`` carries constant terms.
+
+        On a partial-sum axis only the group's first rank may add a constant
+        (``P + 2``: that rank adds 2, the others 0), or the ranks would sum to
+        it once per rank.
+        """
+        layout = self.output_layouts[index]
+        coords = layout.placement.coords_of(self.rank)
+        return all(
+            c == 0
+            for c, s in zip(coords, layout.sbp, strict=True)
+            if isinstance(s, Partial) and s.reduce_op == "sum"
+        )
 
 
 Rule = Callable[[OpInfo], Sequence[Strategy]]
@@ -89,6 +172,8 @@ class Registered:
 
 
 _rules: dict[Any, Registered] = {}
+Decomposition = Callable[[Any, tuple, dict], Any]  # (func, args, kwargs) -> result
+_decompositions: dict[Any, Decomposition] = {}
 
 
 def register(*ops: Any, family: str, local: LocalFn | None = None) -> Callable[[Rule], Rule]:
@@ -102,10 +187,33 @@ def register(*ops: Any, family: str, local: LocalFn | None = None) -> Callable[[
     return decorate
 
 
+def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition]:
+    """Register ``fn(func, args, kwargs)`` computing the op on global arguments directly."""
+
+    def decorate(fn: Decomposition) -> Decomposition:
+        for op in ops:
+            _decompositions[op] = fn
+        return fn
+
+    return decorate
+
+
+def _packet_applies(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is None or not any(a.is_out for a in schema.arguments)
+
+
 def lookup(func: Any) -> Registered | None:
     found = _rules.get(func)
-    if found is None:
+    if found is None and _packet_applies(func):
         found = _rules.get(getattr(func, "overloadpacket", None))
+    return found
+
+
+def lookup_decomposition(func: Any) -> Decomposition | None:
+    found = _decompositions.get(func)
+    if found is None and _packet_applies(func):
+        found = _decompositions.get(getattr(func, "overloadpacket", None))
     return found
 
 
@@ -114,4 +222,11 @@ def registered_ops() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for op, reg in _rules.items():
         out.setdefault(reg.family, []).append(str(op))
+    for op in _decompositions:
+        out.setdefault("decompositions", []).append(str(op))
     return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def every_sbp(ndim: int) -> list[SbpParallel]:
+    """Every one-axis SBP a tensor of ``ndim`` dims can have (for rules that accept any)."""
+    return [Broadcast(), Partial("sum"), Partial("max")] + [Split(d) for d in range(ndim)]

@@ -1,0 +1,126 @@
+"""Optimizer support: ``_foreach_*`` ops, and the AMP inf check whose flag every rank must share.
+
+# NOTE [optimizer ops]
+# With the default settings torch.optim's SGD/Adam/AdamW take the single-tensor
+# path for global parameters (foreach needs plain tensors), so their updates
+# are the pointwise in-place ops (add_, mul_, lerp_, addcmul_, addcdiv_, sqrt,
+# ...) of pointwise.py. Each parameter's gradient arrives in the parameter's
+# own layout (the leaf hook in tensor.py), so every update is local.
+#
+# ``foreach=True`` (or a caller using ``torch._foreach_*`` directly) reaches
+# dispatch with lists of tensors laid out differently; each list position is
+# dispatched on its own, as the single op it stands for.
+#
+# ``GradScaler`` checks gradients for inf/nan with
+# ``_amp_foreach_non_finite_check_and_unscale_``: each rank sees only its
+# pieces, so the found-inf flag is combined with an all_reduce(max) over the
+# ranks holding the gradients. Every rank then skips (or takes) the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._layout import Layout
+from ..comm._world import get_rank
+from ..placement import Placement
+from ..sbp import Broadcast, Partial
+from ._registry import register_decomposition
+
+aten = torch.ops.aten
+
+__all__: list[str] = []
+
+# Foreach ops whose trailing positional scalar is keyword-only in the single op.
+_VALUE_KWARG = {"addcmul", "addcdiv"}
+
+
+def _base_op(func: Any) -> tuple[Any, str]:
+    name = func.overloadpacket.__name__  # e.g. "_foreach_add_"
+    base = name[len("_foreach_") :]
+    packet = aten.linalg_vector_norm if base == "norm" else getattr(aten, base, None)
+    if packet is None:
+        raise NotImplementedError(
+            f"{func} on global tensors: no single-tensor op aten.{base} to apply per item."
+        )
+    return packet, base.rstrip("_")
+
+
+def foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Apply the single-tensor op to each list position (each dispatches on its own)."""
+    packet, base = _base_op(func)
+    lengths = {len(a) for a in args if isinstance(a, (list, tuple))}
+    assert len(lengths) == 1, f"{func}: list arguments of different lengths {sorted(lengths)}"
+    count = lengths.pop()
+    per_item_scalars = None
+    if base in _VALUE_KWARG and func._overloadname == "Tensor":
+        per_item_scalars = args[3].tolist()  # a 1-D tensor of per-item values
+        args = args[:3]
+    results = []
+    for i in range(count):
+        item_args = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+        item_kwargs = {k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+        if base in _VALUE_KWARG:
+            if per_item_scalars is not None:
+                item_kwargs["value"] = per_item_scalars[i]
+            elif len(item_args) > 3:
+                item_kwargs["value"] = item_args.pop(3)
+        if base == "norm" and len(item_args) > 2:  # _foreach_norm(self, ord, dtype)
+            dtype = item_args.pop(2)
+            if dtype is not None:
+                item_kwargs["dtype"] = dtype
+        results.append(packet(*item_args, **item_kwargs))
+    if func._schema.returns:
+        return results
+    return None
+
+
+# The foreach ops torch.optim, clip_grad_norm_ and GradScaler use (each also in place).
+_FOREACH = [
+    "add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "rsqrt", "maximum",
+    "minimum", "clamp_min", "clamp_max", "pow", "neg", "abs", "exp", "log", "sign",
+    "reciprocal", "sigmoid", "copy", "zero", "norm", "max",
+]  # fmt: skip
+
+
+def _foreach_packets() -> list[Any]:
+    names = [f"_foreach_{base}{suffix}" for base in _FOREACH for suffix in ("", "_")]
+    return [getattr(aten, name) for name in names if hasattr(aten, name)]
+
+
+register_decomposition(*_foreach_packets())(foreach)
+
+
+@register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)
+def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
+    """Unscale every gradient in place; found_inf becomes the max over all ranks holding them."""
+    from ..tensor import GlobalTensor
+
+    grads, found_inf, inv_scale = args
+    if isinstance(found_inf, GlobalTensor) or isinstance(inv_scale, GlobalTensor):
+        raise NotImplementedError(
+            f"{func} with a global found_inf/inv_scale; torch.amp.GradScaler keeps them as plain "
+            "tensors, which is the supported use."
+        )
+    locals_ = [g._local if isinstance(g, GlobalTensor) else g for g in grads]
+    local_flag = torch.zeros_like(found_inf)
+    if locals_:
+        func(locals_, local_flag, inv_scale)
+    placements = [g.placement for g in grads if isinstance(g, GlobalTensor)]
+    if placements:
+        local_flag = _max_over_ranks(local_flag, placements)
+    found_inf.copy_(torch.maximum(found_inf, local_flag))
+
+
+def _max_over_ranks(flag: torch.Tensor, placements: list[Placement]) -> torch.Tensor:
+    """All_reduce(max) of a 0-dim flag over the union of ``placements``' ranks."""
+    from ..tensor import GlobalTensor, _run_plan
+
+    ranks = sorted({r for pl in placements for r in pl.flat_ranks})
+    union = Placement(placements[0].type, ranks)
+    if get_rank() not in union:
+        return flag
+    partial = GlobalTensor(flag, Layout(union, (Partial("max"),)), ())
+    return _run_plan(partial, Layout(union, (Broadcast(),)))._local.to(flag.device)
