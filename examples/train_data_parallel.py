@@ -1,31 +1,35 @@
-"""Data-parallel training of a small MLP, with sbpflow averaging the gradients.
+"""Data-parallel training of a small MLP with global tensors.
 
 Run it on 4 ranks (CPU, gloo):
 
     python -m sbpflow.distributed.launch --nproc_per_node 4 examples/train_data_parallel.py
 
-Every rank seeds identically and so builds the same model and the same synthetic data set,
-then trains on its own shard of the data. Loss and gradients are computed locally with plain
-PyTorch; sbpflow turns each rank's gradient into one logical, averaged gradient:
+The model is made global once, its parameters broadcast over every rank; each step's batch
+is global too, split along dim 0 (the batch dim) so every rank holds a quarter of it:
 
-    g.to_global(placement, partial_sum)   # the logical gradient is the sum of the ranks' grads
-     .to_global(sbp=broadcast)            # P -> B: one all_reduce
-     .to_local() / world_size             # every rank now holds the same average
+    model.to_global(placement, broadcast)        # rank 0's parameters, on every rank
+    x = x_local.to_global(placement, split(0))   # the ranks' slices form one logical batch
+    loss = loss_fn(model(x), y)                  # the mean over the WHOLE logical batch
+    loss.backward()                              # each parameter's grad arrives broadcast
+    optimizer.step()                             # plain torch.optim, purely local
 
-Because every rank applies the same averaged gradient, the replicas never drift apart; the
-script checks that at the end by gathering a checksum of the parameters from every rank
-(S(0) -> B: one all_gather).
+Nothing else changes from single-process PyTorch: the matmuls run on each rank's slice
+((S(0), B) -> S(0)), the mean loss divides by the global batch size, and the gradient of
+each broadcast parameter, a partial sum over the ranks, is all-reduced on its way into
+``.grad``. At the end every rank trains the same model on the whole batch in one process
+and checks that both runs agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 from torch import nn
 
 import sbpflow
-from sbpflow.sbp import broadcast, partial_sum, split
+from sbpflow.sbp import broadcast, split
 
 
 def make_dataset(num_samples: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,26 +40,10 @@ def make_dataset(num_samples: int, in_features: int) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def average_gradients(model: nn.Module, placement: sbpflow.Placement, world_size: int) -> None:
-    """Replace each parameter's local gradient with the mean over all ranks."""
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        summed = param.grad.to_global(placement, partial_sum).to_global(sbp=broadcast)
-        param.grad = summed.to_local() / world_size
-
-
-def parameter_checksums(model: nn.Module, placement: sbpflow.Placement) -> torch.Tensor:
-    """Every rank's parameter checksum, gathered on every rank (one entry per rank)."""
-    with torch.no_grad():
-        local = torch.stack([p.double().sum() for p in model.parameters()]).sum().reshape(1)
-    return local.to_global(placement, split(0)).to_global(sbp=broadcast).to_local()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--batch-size", type=int, default=128, help="logical batch per step")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--log-every", type=int, default=10)
     args = parser.parse_args()
@@ -64,41 +52,58 @@ def main() -> None:
     world_size = sbpflow.env.get_world_size()
     placement = sbpflow.placement("cpu", list(range(world_size)))
 
-    torch.manual_seed(0)  # the same model and data on every rank
+    torch.manual_seed(0)  # the same data set and initial model on every rank
     in_features = 8
-    x, y = make_dataset(2048, in_features)
-    model = nn.Sequential(nn.Linear(in_features, 64), nn.Tanh(), nn.Linear(64, 1))
+    x_all, y_all = make_dataset(2048, in_features)
+    reference = nn.Sequential(nn.Linear(in_features, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = copy.deepcopy(reference).to_global(placement, broadcast)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.MSELoss()
-
-    # This rank's shard, by sbpflow's balanced rule (tensor_split uses the same one).
-    x_local = torch.tensor_split(x, world_size)[rank]
-    y_local = torch.tensor_split(y, world_size)[rank]
     if rank == 0:
         print(
-            f"training on {world_size} rank(s), {x_local.shape[0]} samples per rank, "
-            f"placement {placement}",
+            f"training on {world_size} rank(s), batch {args.batch_size} split over "
+            f"{placement}",
             flush=True,
         )
 
-    generator = torch.Generator().manual_seed(1 + rank)  # each rank draws its own batches
-    for step in range(1, args.steps + 1):
-        index = torch.randint(0, x_local.shape[0], (args.batch_size,), generator=generator)
-        optimizer.zero_grad()
-        loss = loss_fn(model(x_local[index]), y_local[index])
-        loss.backward()
-        average_gradients(model, placement, world_size)
-        optimizer.step()
-        if rank == 0 and (step % args.log_every == 0 or step == 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+    def shard(t: torch.Tensor) -> sbpflow.GlobalTensor:
+        """``t`` (the same on every rank) as a global tensor split along dim 0: each rank
+        passes only its slice (torch.tensor_split cuts by sbpflow's balanced rule)."""
+        return torch.tensor_split(t, world_size)[rank].to_global(placement, split(0))
 
-    checksums = parameter_checksums(model, placement)
-    assert torch.all(checksums == checksums[0]), f"replicas diverged: {checksums.tolist()}"
+    batches = torch.Generator().manual_seed(1)  # the same batch order on every rank
+    indices = [
+        torch.randint(0, x_all.shape[0], (args.batch_size,), generator=batches)
+        for _ in range(args.steps)
+    ]
+    for step, index in enumerate(indices, 1):
+        x, y = shard(x_all[index]), shard(y_all[index])
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if step % args.log_every == 0 or step == 1:
+            line = f"step {step:4d}  loss {loss:>7f}"  # formatting a global tensor: every rank
+            if rank == 0:
+                print(line, flush=True)
+
+    # The same training in one process, on the whole batch each step.
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=args.lr, momentum=0.9)
+    for index in indices:
+        ref_optimizer.zero_grad()
+        loss_fn(reference(x_all[index]), y_all[index]).backward()
+        ref_optimizer.step()
+
     with torch.no_grad():
-        final_loss = loss_fn(model(x), y).item()
+        final_loss = loss_fn(model(shard(x_all)), shard(y_all)).item()
+        ref_loss = loss_fn(reference(x_all), y_all).item()
+    matches = all(
+        torch.allclose(p.to_global(sbp=broadcast).to_local(), r, rtol=1e-4, atol=1e-5)
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    ) and abs(final_loss - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss))
     if rank == 0:
-        print(f"parameters identical on all {world_size} ranks", flush=True)
         print(f"final loss {final_loss:.4f}", flush=True)
+        print(f"matches single-process training: {matches}", flush=True)
 
 
 if __name__ == "__main__":

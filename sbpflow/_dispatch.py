@@ -143,7 +143,7 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
     local_args, local_kwargs = tree_unflatten(local_flat, spec)
     rank = get_rank()
     if rank not in placement:
-        return _wrap_outputs_outside(func, decision, local_args, local_kwargs)
+        return _wrap_outputs_outside(func, decision, args, kwargs)
     if registered.local is not None:
         ctx = LocalContext(
             rank,
@@ -235,7 +235,9 @@ def _decide(
     meta_out = func(*meta_args, **meta_kwargs)
     out_flat, _ = tree_flatten(meta_out)
     output_positions = tuple(i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor))
-    output_metas = tuple(TensorMeta(tuple(out_flat[i].shape), out_flat[i].dtype) for i in output_positions)
+    output_metas = tuple(
+        TensorMeta(tuple(out_flat[i].shape), out_flat[i].dtype) for i in output_positions
+    )
     info_flat = list(flat)
     inputs = []
     for i in positions:
@@ -291,7 +293,8 @@ def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:
     """
     cost = _plan(meta.shape, meta.dtype, have, want).cost + 1e-9
     new_partial = [
-        a for a, (h, w) in enumerate(zip(have.sbp, want.sbp))
+        a
+        for a, (h, w) in enumerate(zip(have.sbp, want.sbp, strict=True))
         if isinstance(w, Partial) and not isinstance(h, Partial) and want.placement.shape[a] > 1
     ]
     if new_partial:
@@ -350,17 +353,18 @@ def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: s
     return tree_unflatten(wrapped, out_spec)
 
 
-def _wrap_outputs_outside(
-    func: Any, decision: _Decision, local_args: Any, local_kwargs: Any
-) -> Any:
-    """A rank outside the placement skips the op and holds empty outputs."""
+def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any) -> Any:
+    """A rank outside the placement skips the op and holds empty outputs.
+
+    ``args``/``kwargs`` are the op's global arguments: the outputs' structure
+    comes from the op on their logical metadata, not on this rank's empty
+    pieces (some meta kernels divide by the input's numel).
+    """
     from ._layout import empty_local_shape
     from .tensor import GlobalTensor
 
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
-    meta_out = func(
-        *tree_flatten_map(_to_meta, local_args), **tree_flatten_map(_to_meta, local_kwargs)
-    )
+    meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
     wrapped = []
     for o in out_flat:
@@ -413,16 +417,12 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             flat[i] = local
     local_args, local_kwargs = tree_unflatten(flat, spec)
     if get_rank() not in placement:
-        meta_out = func(
-            *tree_flatten_map(_to_meta, local_args), **tree_flatten_map(_to_meta, local_kwargs)
-        )
-        metas = tuple(
-            TensorMeta(tuple(o.shape), o.dtype)
-            for o in tree_flatten(meta_out)[0]
-            if isinstance(o, torch.Tensor)
-        )
-        decision = _Decision((), tuple(full for _ in metas), metas)
-        return _wrap_outputs_outside(func, decision, local_args, local_kwargs)
+        meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
+        meta_flat = tree_flatten(meta_out)[0]
+        positions = tuple(i for i, o in enumerate(meta_flat) if isinstance(o, torch.Tensor))
+        metas = tuple(TensorMeta(tuple(meta_flat[i].shape), meta_flat[i].dtype) for i in positions)
+        decision = _Decision((), tuple(full for _ in metas), metas, positions)
+        return _wrap_outputs_outside(func, decision, args, kwargs)
     out = func(*local_args, **local_kwargs)
     by_local = {}
     for g, local in written:

@@ -28,7 +28,7 @@ from .placement import Placement
 from .sbp import normalize
 from .tensor import GlobalTensor
 
-__all__ = ["manual_seed", "randn", "rand", "zeros", "ones", "empty", "full", "arange"]
+__all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
 
 _seed = 0
 _counter = 0
@@ -82,7 +82,7 @@ def _build(
 def _partial_piece(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     # A partial axis holds the value on the group's first rank and zeros elsewhere.
     coords = layout.placement.coords_of(rank)
-    for c, s in zip(coords, layout.sbp):
+    for c, s in zip(coords, layout.sbp, strict=True):
         if s.is_partial and c != 0:
             return torch.zeros_like(local)
     return local

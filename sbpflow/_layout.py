@@ -12,8 +12,8 @@ Pure code: ``(shape, placement, sbp, rank) -> local slice``. No process group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, Partial, Split, normalize, sbp_str
@@ -70,7 +70,8 @@ class Layout:
         compare layouts in this form.
         """
         sbp = tuple(
-            Broadcast() if size == 1 else s for size, s in zip(self.placement.shape, self.sbp)
+            Broadcast() if size == 1 else s
+            for size, s in zip(self.placement.shape, self.sbp, strict=True)
         )
         return Layout(self.placement, sbp)
 
@@ -98,7 +99,7 @@ def box_numel(box: Box) -> int:
 
 def intersect(a: Box, b: Box) -> Box | None:
     out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
         lo, hi = max(a0, b0), min(a1, b1)
         if hi <= lo:
             return None
@@ -108,7 +109,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     """Slices that cut ``inner`` out of a tensor covering ``outer``."""
-    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
 def empty_local_shape(ndim: int) -> tuple[int, ...]:
@@ -148,7 +149,10 @@ def logical_shape_from_locals(
         shape[dim] = _logical_length(local_shapes, placement, sbp, dim)
     expected_shape = tuple(shape)
     for r in placement.flat_ranks:
-        expected = tuple(stop - start for start, stop in box_at(expected_shape, placement, sbp, placement.coords_of(r)))
+        expected = tuple(
+            stop - start
+            for start, stop in box_at(expected_shape, placement, sbp, placement.coords_of(r))
+        )
         if tuple(local_shapes[r]) != expected:
             got = {q: list(local_shapes[q]) for q in placement.flat_ranks}
             raise ValueError(

@@ -93,18 +93,26 @@ def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:
     if errors:
         lines = "\n".join(f"  rank {r}: {e}" for r, e in errors)
         raise ValueError(f"{what} failed on {len(errors)} of {len(metas)} ranks:\n{lines}")
-    fields = [("placement", lambda m: m.placement), ("sbp", lambda m: m.sbp), ("dtype", lambda m: str(m.dtype))]
+    fields = [
+        ("placement", lambda m: m.placement),
+        ("sbp", lambda m: m.sbp),
+        ("dtype", lambda m: str(m.dtype)),
+    ]
     if compare_shapes:
         fields.append(("shape", lambda m: str(list(m.shape))))
     else:
         fields.append(("ndim", lambda m: str(len(m.shape))))
-    lines = []
+    mismatches = []
     for name, get in fields:
         values = [get(m) for m in metas]
         if len(set(values)) > 1:
-            lines.append(f"  {name}: " + ", ".join(f"rank {r} passed {v}" for r, v in enumerate(values)))
+            mismatches.append(
+                f"  {name}: " + ", ".join(f"rank {r} passed {v}" for r, v in enumerate(values))
+            )
     raise ValueError(
-        f"ranks disagree in {what}:\n" + "\n".join(lines) + "\nEvery rank runs the same program "
+        f"ranks disagree in {what}:\n"
+        + "\n".join(mismatches)
+        + "\nEvery rank runs the same program "
         "and must pass the same placement, SBP and dtype (and, for global tensors, shape). "
         "Check for rank-dependent branches before this call."
     )

@@ -16,10 +16,10 @@ from .comm._world import (
 )
 
 __all__ = [
+    "ensure_initialized",
+    "get_local_rank",
     "get_rank",
     "get_world_size",
-    "get_local_rank",
-    "ensure_initialized",
     "set_timeout",
     "timeout_seconds",
 ]

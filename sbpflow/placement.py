@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 __all__ = ["Placement", "placement"]
 
@@ -65,7 +66,7 @@ class Placement:
     shape: tuple[int, ...] = field(init=False, compare=False, repr=False)
     flat_ranks: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
-    def __init__(self, type: str, ranks: Any) -> None:  # noqa: A002 - public name fixed by design
+    def __init__(self, type: str, ranks: Any) -> None:
         if not isinstance(type, str) or type not in _DEVICE_TYPES:
             raise ValueError(
                 f"placement type must be one of {_DEVICE_TYPES}, got {type!r}. "
@@ -78,10 +79,14 @@ class Placement:
         flat = tuple(_flatten(nested))
         for r in flat:
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-                raise ValueError(f"placement ranks must be non-negative ints, got {r!r} in {ranks!r}.")
+                raise ValueError(
+                    f"placement ranks must be non-negative ints, got {r!r} in {ranks!r}."
+                )
         if len(set(flat)) != len(flat):
             dupes = sorted({r for r in flat if flat.count(r) > 1})
-            raise ValueError(f"placement ranks repeat {dupes} in {ranks!r}; each rank may appear once.")
+            raise ValueError(
+                f"placement ranks repeat {dupes} in {ranks!r}; each rank may appear once."
+            )
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "ranks", nested)
         object.__setattr__(self, "shape", shape)
@@ -114,7 +119,7 @@ class Placement:
 
     def rank_at(self, coords: Sequence[int]) -> int:
         index = 0
-        for c, size in zip(coords, self.shape):
+        for c, size in zip(coords, self.shape, strict=True):
             index = index * size + c
         return self.flat_ranks[index]
 
@@ -139,9 +144,9 @@ class Placement:
             group = []
             for moving in itertools.product(*(range(self.shape[a]) for a in axes)):
                 coords = [0] * self.ndim
-                for a, c in zip(other, fixed):
+                for a, c in zip(other, fixed, strict=True):
                     coords[a] = c
-                for a, c in zip(axes, moving):
+                for a, c in zip(axes, moving, strict=True):
                     coords[a] = c
                 group.append(self.rank_at(coords))
             groups.append(tuple(group))

@@ -7,20 +7,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any
+
+import torch
 
 __all__ = [
+    "Broadcast",
+    "NdSbp",
+    "Partial",
     "SbpParallel",
     "Split",
-    "Broadcast",
-    "Partial",
-    "split",
     "broadcast",
-    "partial_sum",
     "partial_max",
-    "NdSbp",
+    "partial_sum",
     "sbp_str",
+    "split",
 ]
 
 
@@ -74,6 +77,16 @@ class Partial(SbpParallel):
         if self.reduce_op not in ("sum", "max"):
             raise ValueError(f"partial reduce_op must be 'sum' or 'max', got {self.reduce_op!r}.")
 
+    def identity(self, dtype: Any) -> float | int | bool:
+        """The value a rank holding no part contributes: 0 for sum, the lowest value for max."""
+        if self.reduce_op == "sum":
+            return False if dtype == torch.bool else 0
+        if dtype == torch.bool:
+            return False
+        if dtype.is_floating_point:
+            return float("-inf")
+        return int(torch.iinfo(dtype).min)
+
     def __str__(self) -> str:
         return "P" if self.reduce_op == "sum" else "P(max)"
 
@@ -91,7 +104,7 @@ partial_sum = Partial("sum")
 partial_max = Partial("max")
 
 NdSbp = tuple[SbpParallel, ...]
-SbpLike = Union[SbpParallel, Sequence[SbpParallel]]
+SbpLike = SbpParallel | Sequence[SbpParallel]
 
 
 def sbp_str(nd_sbp: Sequence[SbpParallel]) -> str:

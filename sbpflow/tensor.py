@@ -16,7 +16,8 @@ boundary with the dual layout (see NOTE [gradient duals]).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -47,14 +48,14 @@ class GlobalTensor(torch.Tensor):
     _local: torch.Tensor
     _layout: Layout
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
         cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
     ) -> GlobalTensor:
         shape = tuple(shape)
-        self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        self = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
             strides=_contiguous_strides(shape),
@@ -132,7 +133,7 @@ class GlobalTensor(torch.Tensor):
         """This rank's piece (empty on a rank outside the placement). Differentiable."""
         return _ToLocal.apply(self)
 
-    def to_global(  # type: ignore[override]
+    def to_global(
         self,
         placement: Placement | None = None,
         sbp: SbpParallel | Sequence[SbpParallel] | None = None,
@@ -161,7 +162,9 @@ class GlobalTensor(torch.Tensor):
         return box(self, dst)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         from . import _dispatch
 
         return _dispatch.dispatch(func, args, kwargs or {})
@@ -213,12 +216,12 @@ class _Box(torch.autograd.Function):
     """Forward: boxing src -> dst. Backward: the gradient boxed back to src's layout."""
 
     @staticmethod
-    def forward(ctx: Any, x: GlobalTensor, dst: Layout) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: GlobalTensor, dst: Layout) -> GlobalTensor:
         ctx.src = x._layout
         return _run_plan(x, dst)
 
     @staticmethod
-    def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None]:
         grad = _as_global_grad(grad, "boxing")
         return _Box.apply(grad, ctx.src), None
 
@@ -258,18 +261,22 @@ class _FromLocal(torch.autograd.Function):
     """Forward: local -> global. Backward: the gradient boxed to the dual layout, its local piece."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:
         ctx.layout = layout
         ctx.input_shape = x.shape
         local = _materialise(x, layout)
         return GlobalTensor(local, layout, shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: GlobalTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: GlobalTensor) -> tuple[torch.Tensor, None, None]:
         grad = _as_global_grad(grad, "to_global")
         layout = ctx.layout
         dual = Layout(layout.placement, _dual(layout.sbp))
-        local = box(grad.detach(), dual)._local if grad._layout != dual else grad._local
+        local = (
+            box(cast(GlobalTensor, grad.detach()), dual)._local
+            if grad._layout != dual
+            else grad._local
+        )
         if get_rank() not in layout.placement:
             local = local.new_zeros(ctx.input_shape)
         return local, None, None
@@ -279,15 +286,17 @@ class _ToLocal(torch.autograd.Function):
     """Forward: this rank's piece. Backward: local gradients read with the dual layout."""
 
     @staticmethod
-    def forward(ctx: Any, g: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, g: GlobalTensor) -> torch.Tensor:
         ctx.layout = g._layout
         ctx.shape = tuple(g.shape)
         return g._local.view_as(g._local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> GlobalTensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> GlobalTensor:
         layout: Layout = ctx.layout
-        return GlobalTensor(grad.contiguous(), Layout(layout.placement, _dual(layout.sbp)), ctx.shape)
+        return GlobalTensor(
+            grad.contiguous(), Layout(layout.placement, _dual(layout.sbp)), ctx.shape
+        )
 
 
 def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -301,7 +310,11 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
         found = _groups.group_of(pl.type, groups, rank)
         if found is not None:
             ranks, _ = found
-            buffer = local.contiguous() if rank == ranks[0] else torch.empty_like(local, memory_format=torch.contiguous_format)
+            buffer = (
+                local.contiguous()
+                if rank == ranks[0]
+                else torch.empty_like(local, memory_format=torch.contiguous_format)
+            )
             if rank == ranks[0] and buffer is local:
                 buffer = local  # the head only sends; dist.broadcast leaves it untouched
             local = collectives.broadcast(buffer, ranks[0], found)

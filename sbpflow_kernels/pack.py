@@ -10,7 +10,8 @@ instead of one copy per chunk plus a concatenation.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -85,5 +86,9 @@ def _pad_chunks_cupy(rows: torch.Tensor, sizes: Sequence[int], longest: int) -> 
         szs = cupy.asarray(list(sizes), dtype=cupy.int64)
         threads = 256
         blocks = (total + threads - 1) // threads
-        _kernel()((blocks,), (threads,), (src, dst, offs, szs, cupy.int64(longest), cupy.int64(row_bytes), cupy.int64(total)))
+        _kernel()(
+            (blocks,),
+            (threads,),
+            (src, dst, offs, szs, cupy.int64(longest), cupy.int64(row_bytes), cupy.int64(total)),
+        )
     return out

@@ -373,43 +373,45 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
         if not off_target
         else ["Off target (medians):", ""] + [f"- {line}" for line in off_target]
     )
-    return "\n".join([
-        SECTION_START,
-        "## Boxing: `to_global` vs raw `torch.distributed` vs DTensor `redistribute`",
-        "",
-        f"Machine: `{machine()}`; load average {load}. Float32; size = logical tensor size.",
-        "",
-        f"Reproduce: `python bench/boxing/run.py {args} --out docs/benchmarks.md`",
-        "",
-        "- **sbpflow**: `g.to_global(sbp=dst)`, default path (`check_meta=True`, so the small "
-        "metadata exchange every call makes is included).",
-        "- **raw**: the minimal hand-written `torch.distributed` code giving the same local tensor "
-        "as a new tensor, input untouched, as the other two do: `all_gather_into_tensor`, "
-        "clone + `all_reduce`, `reduce_scatter_tensor`, pack + `all_to_all_single`. 1-D only.",
-        "- **DTensor**: `DTensor.redistribute` on `DeviceMesh(\"cpu\", ...)` (on CPU it runs "
-        "S(i) -> S(j) as all_gather + chunk).",
-        "- **sbpflow, no meta check**: `g.to_global(sbp=dst, check_meta=False)`, to show what the "
-        "metadata round costs (a reference; the targets use the default path).",
-        "- **collective only**: the bare collective on buffers made once (in-place `all_reduce`); "
-        "a floor, not a like-for-like baseline: no allocation, which on this machine costs "
-        "tens of ms per 64 MiB in page faults.",
-        "",
-        f"{config['reps']} timed repetitions at 16 MiB and up, more below (4 MiB: "
-        f"{reps_for(4, config['reps'])}), after {config['warmup']} warmup; the implementations "
-        "are interleaved (order rotating per repetition); a barrier before each op; an op's time "
-        "is the slowest rank's. Times are `min / median` ms; ratios are `median / min` ratios "
-        "(below 1: sbpflow faster).",
-        "",
-        table,
-        "",
-        *verdict,
-        "",
-        "The machine is shared and 64 MiB ops fault in fresh pages, so single runs are noisy: the "
-        "two sbpflow columns run the same data collectives, and their spread shows how much. The "
-        "metadata check is one small collective round: a few ms at 4 MiB on an oversubscribed "
-        "machine (compare the two sbpflow columns), lost in the noise at 64 MiB.",
-        SECTION_END,
-    ])
+    return "\n".join(
+        [
+            SECTION_START,
+            "## Boxing: `to_global` vs raw `torch.distributed` vs DTensor `redistribute`",
+            "",
+            f"Machine: `{machine()}`; load average {load}. Float32; size = logical tensor size.",
+            "",
+            f"Reproduce: `python bench/boxing/run.py {args} --out docs/benchmarks.md`",
+            "",
+            "- **sbpflow**: `g.to_global(sbp=dst)`, default path (`check_meta=True`, so the small "
+            "metadata exchange every call makes is included).",
+            "- **raw**: the minimal hand-written `torch.distributed` code giving the same local tensor "
+            "as a new tensor, input untouched, as the other two do: `all_gather_into_tensor`, "
+            "clone + `all_reduce`, `reduce_scatter_tensor`, pack + `all_to_all_single`. 1-D only.",
+            '- **DTensor**: `DTensor.redistribute` on `DeviceMesh("cpu", ...)` (on CPU it runs '
+            "S(i) -> S(j) as all_gather + chunk).",
+            "- **sbpflow, no meta check**: `g.to_global(sbp=dst, check_meta=False)`, to show what the "
+            "metadata round costs (a reference; the targets use the default path).",
+            "- **collective only**: the bare collective on buffers made once (in-place `all_reduce`); "
+            "a floor, not a like-for-like baseline: no allocation, which on this machine costs "
+            "tens of ms per 64 MiB in page faults.",
+            "",
+            f"{config['reps']} timed repetitions at 16 MiB and up, more below (4 MiB: "
+            f"{reps_for(4, config['reps'])}), after {config['warmup']} warmup; the implementations "
+            "are interleaved (order rotating per repetition); a barrier before each op; an op's time "
+            "is the slowest rank's. Times are `min / median` ms; ratios are `median / min` ratios "
+            "(below 1: sbpflow faster).",
+            "",
+            table,
+            "",
+            *verdict,
+            "",
+            "The machine is shared and 64 MiB ops fault in fresh pages, so single runs are noisy: the "
+            "two sbpflow columns run the same data collectives, and their spread shows how much. The "
+            "metadata check is one small collective round: a few ms at 4 MiB on an oversubscribed "
+            "machine (compare the two sbpflow columns), lost in the noise at 64 MiB.",
+            SECTION_END,
+        ]
+    )
 
 
 def write_section(path: Path, text: str) -> None:

@@ -10,4 +10,4 @@ from .plan import BoxingPlan, BoxingStep
 from .planner import plan
 from .tracing import Trace, trace
 
-__all__ = ["plan", "BoxingPlan", "BoxingStep", "trace", "Trace", "calibrate", "Calibration"]
+__all__ = ["BoxingPlan", "BoxingStep", "Calibration", "Trace", "calibrate", "plan", "trace"]

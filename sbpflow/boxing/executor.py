@@ -103,7 +103,7 @@ def _zero(
     """B -> P keeps the data on the group's first rank; S -> P zero-pads the shard."""
     after = dst.sbp[axes[0]]
     assert isinstance(after, Partial)
-    fill = 0.0 if after.reduce_op == "sum" else _lowest(local.dtype)
+    fill = after.identity(local.dtype)
     coords = src.placement.coords_of(rank)
     if isinstance(src.sbp[axes[0]], Split):
         src_box, dst_box = src.box(shape, rank), dst.box(shape, rank)
@@ -115,15 +115,9 @@ def _zero(
     return torch.zeros_like(local)
 
 
-def _lowest(dtype: torch.dtype) -> float | int | bool:
-    if dtype == torch.bool:
-        return False
-    if dtype.is_floating_point:
-        return float("-inf")
-    return torch.iinfo(dtype).min
-
-
-def _run_transfer(step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int) -> torch.Tensor:
+def _run_transfer(
+    step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int
+) -> torch.Tensor:
     src, dst = step.src, step.dst
     if src.placement.type != dst.placement.type:
         raise NotImplementedError(
@@ -149,7 +143,9 @@ def _run_transfer(step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor,
             assert out is not None and dst_box is not None
             target = relative(piece.box, dst_box)
             whole = box_shape(piece.box) == tuple(out.shape)
-            recvs.append((piece.src_rank, out if whole else out.new_empty(box_shape(piece.box)), target))
+            recvs.append(
+                (piece.src_rank, out if whole else out.new_empty(box_shape(piece.box)), target)
+            )
     collectives.exchange(sends, [(peer, buffer) for peer, buffer, _ in recvs], dst.placement.type)
     for _, buffer, target in recvs:
         if buffer is not out:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .plan import COLLECTIVE_OPS, BoxingPlan
 

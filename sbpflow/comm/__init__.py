@@ -2,4 +2,4 @@
 
 from ._world import ensure_initialized, get_local_rank, get_rank, get_world_size
 
-__all__ = ["ensure_initialized", "get_rank", "get_world_size", "get_local_rank"]
+__all__ = ["ensure_initialized", "get_local_rank", "get_rank", "get_world_size"]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 
@@ -72,7 +73,9 @@ def ensure_initialized() -> None:
         return
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this PyTorch build.")
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    backend = (
+        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    )
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     if rank is None or world_size is None:
@@ -121,10 +124,8 @@ def _destroy_at_exit() -> None:
     # gloo can abort a process at interpreter exit ("terminate called without an
     # active exception") when its group was never destroyed; tear it down first.
     if is_initialized():
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway; a peer may already be gone
-            pass
 
 
 def get_rank() -> int:

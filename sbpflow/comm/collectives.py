@@ -10,7 +10,7 @@ as ``CollectiveError`` naming the operation and the ranks.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,7 @@ def all_to_all(
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
         return recv.view(shape)
-    received = [p.view(s) for p, s in zip(torch.split(recv, recv_numels), recv_shapes)]
+    received = [p.view(s) for p, s in zip(torch.split(recv, recv_numels), recv_shapes, strict=True)]
     pieces = [received[slot] for slot in _group_slots(ranks) or range(len(ranks))]
     return torch.cat(pieces, dim=src_dim)
 

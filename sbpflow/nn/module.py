@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..placement import Placement
 from ..tensor import GlobalTensor, keep_grad_layout, to_global
 
-SbpSpec = Union[Any, Callable[[str, torch.Tensor], Any]]
+SbpSpec = Any | Callable[[str, torch.Tensor], Any]
 
 
-def module_to_global(module: torch.nn.Module, placement: Placement, sbp: SbpSpec) -> torch.nn.Module:
+def module_to_global(
+    module: torch.nn.Module, placement: Placement, sbp: SbpSpec
+) -> torch.nn.Module:
     """Convert ``module``'s parameters and buffers to global tensors, in place; returns it.
 
     ``sbp`` is one SBP (or N-D tuple) for all, or a callable ``(name, tensor) -> sbp``

@@ -116,19 +116,13 @@ def mean_rule(info: OpInfo) -> list[Strategy]:
 # -- max and friends -----------------------------------------------------------------
 
 
-def _lowest(dtype: torch.dtype) -> float | int | bool:
-    if dtype == torch.bool:
-        return False
-    if dtype.is_floating_point:
-        return float("-inf")
-    return torch.iinfo(dtype).min
-
-
 def _max_local(func: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> torch.Tensor:
     """An empty shard contributes max's identity instead of raising (norms: 0, else lowest)."""
     if args[0].numel() == 0:
         dtype = ctx.output_metas[0].dtype
-        fill = 0 if func.overloadpacket is aten.linalg_vector_norm else _lowest(dtype)
+        fill = (
+            0 if func.overloadpacket is aten.linalg_vector_norm else Partial("max").identity(dtype)
+        )
         return torch.full(ctx.local_output_shape(0), fill, dtype=dtype, device=args[0].device)
     return func(*args, **kwargs)
 

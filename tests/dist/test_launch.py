@@ -128,7 +128,8 @@ def _run(argv: list[str], marker: str) -> tuple[subprocess.CompletedProcess[str]
 
 def _assert_one_line_per_rank(result: subprocess.CompletedProcess[str], world_size: int) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    lines = {line.strip() for line in result.stdout.splitlines() if line.startswith("rank ")}
+    # Ranks share one stdout pipe, so their lines may interleave: match, don't split.
+    lines = set(re.findall(r"rank \d+ of \d+: sum of ranks \d+", result.stdout))
     expected_sum = sum(range(world_size))
     expected = {
         f"rank {rank} of {world_size}: sum of ranks {expected_sum}" for rank in range(world_size)
