@@ -269,19 +269,24 @@ def _decide(
         )
         if any(ins[k].normalized() != current[k].normalized() for k in kept):
             continue
+        outs = tuple(
+            Layout(placement, tuple(s.outputs[k] for s in combo)) for k in range(len(output_metas))
+        )
+        if any(_mixes_partials(layout) for layout in ins + outs):
+            continue  # sum-partial on one axis and max-partial on another: boxing can't take it
         cost = 0.0
         for layout, have, meta in zip(ins, current, inputs, strict=True):
             if layout.normalized() != have.normalized():
                 cost += _boxing_cost(meta, have, layout)
         if best is None or cost < best[0]:
-            outs = tuple(
-                Layout(placement, tuple(s.outputs[k] for s in combo))
-                for k in range(len(output_metas))
-            )
             best = (cost, ins, outs)
     if best is None:
         return None
     return _Decision(best[1], best[2], output_metas, output_positions)
+
+
+def _mixes_partials(layout: Layout) -> bool:
+    return len({s.reduce_op for s in layout.sbp if isinstance(s, Partial)}) > 1
 
 
 def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:

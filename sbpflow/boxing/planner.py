@@ -65,7 +65,7 @@ import torch
 
 from .._layout import Layout
 from ..placement import Placement
-from ..sbp import normalize, sbp_str
+from ..sbp import NdSbp, Partial, normalize, sbp_str
 from . import _transfer
 from . import cost as _cost
 from ._steps import Codes, Values, axis_groups, candidate_values, coded_edges, states, transfer_edge
@@ -107,12 +107,36 @@ def plan(
     dst_layout = _as_layout(dst, "dst", len(shape))
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}; e.g. torch.float32.")
+    for name, layout in (("src", src_layout), ("dst", dst_layout)):
+        _check_partials(name, layout)
     result = _cached_plan(tuple(int(n) for n in shape), dtype, src_layout, dst_layout, generation)
     if key is not None:
         if len(_hot) >= _HOT_LIMIT:
             _hot.clear()
         _hot[key] = (generation, result)
     return result
+
+
+# NOTE [no partial detours]
+# Entering a partial layout (the local "zero" step) is only taken on axes the
+# destination itself keeps partial. A detour such as S -> P -> B (zero-pad,
+# then all_reduce) can look as cheap as the all_gather it replaces under some
+# measured constants, but it moves twice the bytes and makes plans depend on
+# noise; keeping partials out of intermediate states keeps plans the ones in
+# the transition table.
+
+
+def _goal_is_partial_on(goal: NdSbp, axes: Sequence[int]) -> bool:
+    return all(a < len(goal) and isinstance(goal[a], Partial) for a in axes)
+
+
+def _check_partials(name: str, layout: Layout) -> None:
+    kinds = {s.reduce_op for s in layout.sbp if isinstance(s, Partial)}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{name} layout {layout} mixes partial_sum and partial_max on different mesh axes; "
+            "boxing does not support that mix. Reduce one kind first (e.g. to broadcast)."
+        )
 
 
 def _as_layout(value: Any, name: str, tensor_ndim: int) -> Layout:
@@ -201,10 +225,13 @@ class _Problem:
     def edges(self, state: State) -> Iterator[tuple[State, Move]]:
         index, codes = state
         pl, model, blocks = self.placements[index], self.models[index], self.blocks[index]
+        goal = self.table.decode(self.goal[1])
         for axes in self.groups[index]:
             for _, op, sent, cost, new in coded_edges(
                 self.shape, self.itemsize, pl, codes, axes, self.table, model, blocks
             ):
+                if op == "zero" and not _goal_is_partial_on(goal, axes):
+                    continue  # NOTE [no partial detours]
                 yield (index, new), (op, axes, sent, cost)
         if index == 0 and len(self.placements) == 2:
             yield from self._transfers(codes)

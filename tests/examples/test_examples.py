@@ -1,7 +1,8 @@
 """Every script in ``examples/`` runs the way the README says a user runs it.
 
 Each example is started through ``python -m sbpflow.distributed.launch`` in a fresh set of
-processes and must exit 0 and end its output with the line it promises.
+processes and must exit 0, end its output with the lines it promises, and run every op
+through an SBP rule (no "no SBP rule" fallback warning).
 """
 
 from __future__ import annotations
@@ -18,12 +19,26 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO_ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 TIMEOUT_S = 120
 
-# example file -> (ranks to launch, pattern its last line of stdout must match).
-# An example missing here still has to run cleanly on 2 ranks; add it to pin its output.
-EXPECTED: dict[str, tuple[int, str]] = {
-    "train_data_parallel.py": (4, r"final loss (?P<loss>\d+\.\d+)"),
+FINAL_LOSS = r"final loss (?P<loss>\d+\.\d+)"
+MATCHES = r"matches single-process training: True"
+
+# example file -> its runs: (ranks to launch, patterns the last lines of stdout must match,
+# in order). An example missing here still has to run cleanly on 2 ranks; add it to pin its
+# output. A pattern with a ``loss`` group also checks that the model learned.
+RUNS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
+    "train_data_parallel.py": [(4, (FINAL_LOSS, MATCHES))],
+    "train_tensor_parallel.py": [
+        (2, (r"tensor parallel on .*", r"single process: .*", FINAL_LOSS, MATCHES)),
+        (4, (r"data x tensor parallel on .*", r"single process: .*", FINAL_LOSS, MATCHES)),
+    ],
+    "pipeline_two_stages.py": [(2, (FINAL_LOSS, MATCHES))],
 }
-DEFAULT = (2, r".+")
+DEFAULT = [(2, (r".+",))]
+CASES = [
+    (example, num_ranks, patterns)
+    for example in EXAMPLES
+    for num_ranks, patterns in RUNS.get(example.name, DEFAULT)
+]
 
 
 def _env() -> dict[str, str]:
@@ -34,9 +49,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs(example: Path) -> None:
-    num_ranks, pattern = EXPECTED.get(example.name, DEFAULT)
+@pytest.mark.parametrize(
+    ("example", "num_ranks", "patterns"),
+    CASES,
+    ids=[f"{example.name}-{num_ranks}ranks" for example, num_ranks, _ in CASES],
+)
+def test_example_runs(example: Path, num_ranks: int, patterns: tuple[str, ...]) -> None:
     argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", str(num_ranks)]
     try:
         result = subprocess.run(
@@ -54,13 +72,17 @@ def test_example_runs(example: Path) -> None:
         )
     output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     assert result.returncode == 0, output
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines, output
-    match = re.fullmatch(pattern, lines[-1].strip())
-    assert match, f"last line {lines[-1]!r} does not match {pattern!r}\n{output}"
-    if "loss" in match.groupdict():
-        assert float(match["loss"]) < 0.2, f"the model did not learn\n{output}"
+    assert "no SBP rule" not in result.stderr, f"an op fell back to broadcast\n{output}"
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) >= len(patterns), output
+    for line, pattern in zip(lines[-len(patterns) :], patterns, strict=True):
+        match = re.fullmatch(pattern, line)
+        assert match, f"line {line!r} does not match {pattern!r}\n{output}"
+        if "loss" in match.groupdict():
+            assert float(match["loss"]) < 0.2, f"the model did not learn\n{output}"
 
 
 def test_there_are_examples() -> None:
-    assert "train_data_parallel.py" in [p.name for p in EXAMPLES]
+    names = [p.name for p in EXAMPLES]
+    assert "train_data_parallel.py" in names
+    assert set(RUNS) <= set(names), f"RUNS names missing examples: {set(RUNS) - set(names)}"

@@ -147,3 +147,17 @@ def test_plan_rejects_bad_arguments() -> None:
         boxing.plan((4,), "float32", (pl, S0), (pl, B))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"split\(1\) is out of range for a tensor with 1 dims"):
         boxing.plan((4,), torch.float32, (pl, S1), (pl, B))
+
+
+def test_mixed_partial_kinds_are_a_clear_error():
+    """A layout with partial_sum on one axis and partial_max on another cannot be planned."""
+    import pytest
+
+    mesh = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="mixes partial_sum and partial_max"):
+        sbpflow.boxing.plan(
+            (4, 4),
+            torch.float32,
+            src=(mesh, (sbpflow.sbp.partial_sum, sbpflow.sbp.partial_sum)),
+            dst=(mesh, (sbpflow.sbp.partial_max, sbpflow.sbp.partial_sum)),
+        )

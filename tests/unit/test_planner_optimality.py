@@ -4,6 +4,8 @@ Pure: no process group. The reference is an exhaustive search written here:
 every sequence of up to four steps (every set of mesh axes times every target
 value, priced by the planner's own step function ``_steps.collective_edge``),
 enumerated layer by layer. The planner's Dijkstra must reach the same minimum.
+Like the planner, it enters a partial layout (a local "zero" step) only on
+axes the destination keeps partial (NOTE [no partial detours] in planner.py).
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ class Exhaustive:
         self.axis_sets = [
             c for k in range(1, len(moving) + 1) for c in itertools.combinations(moving, k)
         ]
-        self._edges: dict[tuple, list[tuple[tuple, float]]] = {}
+        self._edges: dict[tuple, list[tuple[tuple, float, str, tuple[int, ...]]]] = {}
 
-    def edges(self, sbp: tuple) -> list[tuple[tuple, float]]:
+    def edges(self, sbp: tuple) -> list[tuple[tuple, float, str, tuple[int, ...]]]:
         if sbp not in self._edges:
             found = []
             for axes in self.axis_sets:
@@ -59,7 +61,7 @@ class Exhaustive:
                         self.shape, 4, self.placement, sbp, axes, value, MODEL
                     )
                     if edge is not None:
-                        found.append((edge[4], edge[3]))
+                        found.append((edge[4], edge[3], edge[0], axes))
             self._edges[sbp] = found
         return self._edges[sbp]
 
@@ -72,7 +74,9 @@ class Exhaustive:
         for k in range(1, MAX_STEPS + 1):
             nxt: dict[tuple, float] = {}
             for state, so_far in layer.items():
-                for target, step_cost in self.edges(state):
+                for target, step_cost, op, axes in self.edges(state):
+                    if op == "zero" and not all(isinstance(dst[a], Partial) for a in axes):
+                        continue
                     total = so_far + step_cost
                     if total < nxt.get(target, math.inf):
                         nxt[target] = total
@@ -97,7 +101,7 @@ def _check_optimal(search: Exhaustive, src: tuple, dst: tuple) -> None:
     state = src_n
     for step in result.steps:
         assert step.src.sbp == state
-        options = dict(search.edges(state))
+        options = {target: step_cost for target, step_cost, _, _ in search.edges(state)}
         assert math.isclose(options[step.dst.sbp], step.cost), str(step)
         state = step.dst.sbp
     assert state == dst_n
