@@ -25,7 +25,7 @@ import torch
 from ._layout import Layout, empty_local_shape
 from .comm._world import device_for, get_rank
 from .placement import Placement
-from .sbp import normalize
+from .sbp import Partial, normalize
 from .tensor import GlobalTensor
 
 __all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
@@ -70,7 +70,7 @@ def _build(
     device = device_for(layout.placement.type)
     if rank in layout.placement:
         box = layout.box(shape, rank)
-        local = make(box, device)
+        local = make(box, device).to(dtype)
         if layout.has_partial:
             local = _partial_piece(local, layout, rank)
     else:
@@ -80,11 +80,13 @@ def _build(
 
 
 def _partial_piece(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    # A partial axis holds the value on the group's first rank and zeros elsewhere.
+    # A partial axis holds the value on the group's first rank and, elsewhere, the
+    # reduction's identity: zeros for a sum, the lowest value for a max (zeros would
+    # turn negative entries of a partial_max tensor into 0).
     coords = layout.placement.coords_of(rank)
     for c, s in zip(coords, layout.sbp, strict=True):
-        if s.is_partial and c != 0:
-            return torch.zeros_like(local)
+        if isinstance(s, Partial) and c != 0:
+            return torch.full_like(local, s.identity(local.dtype))
     return local
 
 
