@@ -12,7 +12,8 @@
 #    on local tensors, and outputs are wrapped with the strategy's output SBP.
 #    An input the op writes into (in-place, schema alias ``a!``) must keep its
 #    layout: only strategies that leave it as it is qualify. The decision is
-#    cached per (op, input layouts, shapes, dtypes, arguments).
+#    cached per (op, input layouts, shapes, dtypes, arguments). A repeated
+#    call that boxes nothing skips all of 2-3 (NOTE [fast path]).
 # 4. An op with no rule (or no strategy keeping a written input's layout)
 #    falls back to boxing every input to broadcast and computing locally,
 #    writing results back into written inputs: always correct, never silent
@@ -62,20 +63,34 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     handler = _special.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    key = _fast_key(func, args, kwargs)
+    if key is not None:
+        try:
+            fast = _fast.get(key)
+        except TypeError:  # an unhashable argument: no fast entry
+            key = fast = None
+        if fast is not None:
+            return _run_fast(fast, func, args, kwargs)
     _load_rules()
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
+        key = None  # whether it applies may depend on more than the key: no fast entry
         out = decomposition(func, args, kwargs)
         if out is not NotImplemented:  # NotImplemented: the rule handles this case
             return out
     registered = _registry.lookup(func)
     if registered is None:
         return fallback(func, args, kwargs)
-    return _run_rule(registered, func, args, kwargs)
+    return _run_rule(registered, func, args, kwargs, key)
 
 
 def _load_rules() -> None:
-    from . import ops  # noqa: F401  (importing the package registers every family)
+    global _global_type, _wrap
+    if _global_type is None:
+        from . import ops  # noqa: F401  (importing the package registers every family)
+        from .tensor import GlobalTensor, _wrap
+
+        _global_type = GlobalTensor
 
 
 @special(aten.detach.default, aten.alias.default)
@@ -112,7 +127,9 @@ _decisions: dict[Any, _Decision | None] = {}
 _UNDECIDED: Any = object()
 
 
-def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: dict) -> Any:
+def _run_rule(
+    registered: _registry.Registered, func: Any, args: tuple, kwargs: dict, fast_key: Any = None
+) -> Any:
     from .tensor import GlobalTensor, _run_plan
 
     flat, spec = tree_flatten((args, kwargs))
@@ -137,6 +154,7 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
     local_flat = list(flat)
     for i, g, layout in zip(positions, globals_, decision.input_layouts, strict=True):
         if g._layout.normalized() != layout.normalized():
+            fast_key = None  # only calls that box nothing take the fast path
             assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
             g = _run_plan(g, layout)
         local_flat[i] = g._local
@@ -144,6 +162,7 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
     rank = get_rank()
     if rank not in placement:
         return _wrap_outputs_outside(func, decision, args, kwargs)
+    ctx = None
     if registered.local is not None:
         ctx = LocalContext(
             rank,
@@ -156,7 +175,93 @@ def _run_rule(registered: _registry.Registered, func: Any, args: tuple, kwargs: 
         out = registered.local(func, local_args, local_kwargs, ctx)
     else:
         out = func(*local_args, **local_kwargs)
+    if fast_key is not None and not mutated:
+        _remember_fast(fast_key, out, decision, registered, ctx)
     return _wrap_outputs(out, decision, globals_, mutated)
+
+
+# -- fast path ------------------------------------------------------------------------
+# NOTE [fast path]
+# Training repeats the same calls: same op, input layouts, shapes, dtypes and
+# arguments. A call whose inputs need no boxing (and that writes no input and
+# holds no plain tensor or list of tensors) leaves a ``_Fast`` entry under a
+# key built straight from ``args`` (no pytree, no layout normalisation, no
+# schema walk); the next identical call finds it before any rule lookup and
+# only unwraps the locals, runs the op (or the rule's ``local`` function with
+# the same context) and wraps the outputs with the layouts and logical shapes
+# the full path decided. The key holds everything that decision depended on.
+
+
+@dataclass(frozen=True)
+class _Fast:
+    op: Callable[..., Any]  # the ATen kernel itself (skips OpOverload.__call__)
+    outputs: tuple[Any, ...]  # the outputs' interned metadata (``tensor._Meta``)
+    container: type | None  # None: one tensor output; else tuple or list of tensors
+    local: Any  # the rule's local function, or None
+    ctx: LocalContext | None
+
+
+_fast: dict[Any, _Fast] = {}
+# Bound by _load_rules (tensor.py imports this module, so not at import time).
+_global_type: Any = None  # GlobalTensor
+_wrap: Any = None  # tensor._wrap
+
+
+def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A flat key of the call (hashable unless an argument is not), or None when the call
+    cannot take the fast path."""
+    gt = _global_type
+    if gt is None:
+        return None  # no rule loaded yet
+    parts: list[Any] = [func]
+    for a in args:
+        if isinstance(a, gt):
+            parts.append(a._meta)  # interned (layout, shape, dtype): hashed by identity
+        elif isinstance(a, torch.Tensor):
+            return None
+        elif type(a) is list or type(a) is tuple:
+            for item in a:
+                if isinstance(item, torch.Tensor):
+                    return None
+            parts += (type(a), tuple(a))
+        else:
+            parts += (type(a), a)  # the type too: 1, 1.0 and True are equal keys
+    for name, a in kwargs.items():
+        if isinstance(a, torch.Tensor) or type(a) in (list, tuple):
+            return None
+        parts += (name, type(a), a)
+    return tuple(parts)
+
+
+def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx: Any) -> None:
+    from .tensor import _meta_of
+
+    if isinstance(out, torch.Tensor):
+        container, outs = None, [out]
+    elif type(out) in (tuple, list) and all(isinstance(o, torch.Tensor) for o in out):
+        container, outs = type(out), list(out)
+    else:
+        return
+    if decision.output_positions != tuple(range(len(outs))):
+        return  # outputs the meta kernel gave and this one did not (masked backward outputs)
+    metas = tuple(
+        _meta_of(layout, tuple(m.shape), o.dtype)
+        for o, layout, m in zip(outs, decision.output_layouts, decision.output_metas, strict=True)
+    )
+    op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
+    _fast[key] = _Fast(op, metas, container, registered.local, ctx)
+
+
+def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    gt, wrap = _global_type, _wrap
+    local_args = [a._local if isinstance(a, gt) else a for a in args]
+    if fast.local is not None:
+        out = fast.local(func, tuple(local_args), kwargs, fast.ctx)
+    else:
+        out = fast.op(*local_args, **kwargs)
+    if fast.container is None:
+        return wrap(out, fast.outputs[0])
+    return fast.container([wrap(o, meta) for o, meta in zip(out, fast.outputs, strict=True)])
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:

@@ -42,11 +42,59 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _Meta:
+    """A global tensor's (layout, logical shape, dtype), interned: one object per value.
+
+    Compared and hashed by identity, so the dispatch fast path builds and looks
+    up its cache key (NOTE [fast path] in ``_dispatch``) without hashing layouts.
+    """
+
+    __slots__ = ("dtype", "layout", "shape", "strides")
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.layout, self.shape, self.dtype = layout, shape, dtype
+        self.strides = _contiguous_strides(shape)
+
+    def __reduce__(self) -> Any:  # pickling and deepcopy re-intern
+        return (_meta_of, (self.layout, self.shape, self.dtype))
+
+
+_metas: dict[tuple[Any, ...], _Meta] = {}
+
+
+def _meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> _Meta:
+    key = (layout, shape, dtype)
+    meta = _metas.get(key)
+    if meta is None:
+        meta = _metas[key] = _Meta(layout, shape, dtype)
+    return meta
+
+
+def _wrap(local: torch.Tensor, meta: _Meta) -> GlobalTensor:
+    """``GlobalTensor(local, meta.layout, meta.shape)`` for the dispatch fast path."""
+    self = _make_wrapper_subclass(
+        GlobalTensor,
+        meta.shape,
+        strides=meta.strides,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+    )
+    self._local = local
+    self._layout = meta.layout
+    self._meta = meta
+    return self
+
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
 class GlobalTensor(torch.Tensor):
     """A logical tensor spread over a placement. ``.shape``/``.dtype`` are logical."""
 
     _local: torch.Tensor
     _layout: Layout
+    _meta: _Meta  # (layout, shape, dtype) interned, for the dispatch fast path
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -55,10 +103,11 @@ class GlobalTensor(torch.Tensor):
         cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
     ) -> GlobalTensor:
         shape = tuple(shape)
+        meta = _meta_of(layout, shape, local.dtype)
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
-            strides=_contiguous_strides(shape),
+            strides=meta.strides,
             dtype=local.dtype,
             device=local.device,
             layout=local.layout,
@@ -66,6 +115,7 @@ class GlobalTensor(torch.Tensor):
         )
         self._local = local
         self._layout = layout
+        self._meta = meta
         if requires_grad:
             keep_grad_layout(self)
         return self
@@ -139,7 +189,6 @@ class GlobalTensor(torch.Tensor):
         sbp: SbpParallel | Sequence[SbpParallel] | None = None,
         *,
         check_meta: bool = True,
-        grad_sbp: Any = None,
     ) -> GlobalTensor:
         """Change the layout (boxing); the logical value stays the same."""
         if placement is not None and not isinstance(placement, Placement):
@@ -165,9 +214,17 @@ class GlobalTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        from . import _dispatch
+        return _dispatch_op(func, args, kwargs or {})
 
-        return _dispatch.dispatch(func, args, kwargs or {})
+
+def _dispatch_op(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Binds ``_dispatch.dispatch`` on the first op (it imports the rules, which import this
+    module) and then replaces itself with it: an import statement per op costs microseconds."""
+    global _dispatch_op
+    from ._dispatch import dispatch
+
+    _dispatch_op = dispatch
+    return dispatch(func, args, kwargs)
 
 
 def is_global(x: object) -> bool:

@@ -172,7 +172,9 @@ def _constants_on_first_rank(positions: Sequence[int]) -> LocalFn:
     first ranks (see NOTE [pointwise partials])."""
 
     def local(func: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:
-        if not ctx.holds_constants():
+        # The superset test first: it is cheap, and when every such operand is global
+        # (``x + y``) there is nothing to zero, so the mesh coordinates are not needed.
+        if not ctx.global_args.issuperset(positions) and not ctx.holds_constants():
             args = tuple(
                 _zero_like(a) if i in positions and i not in ctx.global_args else a
                 for i, a in enumerate(args)
