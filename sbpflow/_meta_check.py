@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -57,6 +58,14 @@ class RankMeta:
         values = header + [0] * (_HEADER - len(header)) + dims + [0] * (MAX_DIMS - len(dims))
         return torch.tensor(values, dtype=torch.int64)  # one op: this runs on every to_global
 
+    @functools.cached_property
+    def _encoded(self) -> torch.Tensor:
+        return self.encode()
+
+    def encoded(self) -> torch.Tensor:
+        """``encode()``, computed once per ``RankMeta`` (never modified by the exchange)."""
+        return self._encoded
+
 
 @dataclass(frozen=True)
 class Gathered:
@@ -85,6 +94,18 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
     if errors_flagged or disagree:
         _raise_everywhere(mine, what, compare_shapes)
     return Gathered(shapes)
+
+
+def agree(mine: RankMeta, what: str) -> None:
+    """The fast form of ``exchange`` for calls whose whole vector must match on every rank.
+
+    The encoded vector is cached on ``mine``; the check is one small collective
+    and one comparison, and only a mismatch pays for readable messages.
+    """
+    vector = mine.encoded()
+    table = collectives.all_gather_meta(vector)
+    if not bool((table == vector).all()):
+        _raise_everywhere(mine, what, compare_shapes=True)
 
 
 def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:

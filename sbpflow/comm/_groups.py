@@ -64,11 +64,18 @@ def ensure_placement_groups(placement: Any, rank: int) -> None:
     _prepared.add(placement)
 
 
+_world_handles: dict[str, dist.ProcessGroup | None] = {}
+
+
 def world_group(device_type: str) -> dist.ProcessGroup | None:
+    """The group of every rank for ``device_type``'s backend (looked up once; it runs per call)."""
+    if device_type in _world_handles and dist.is_initialized():
+        return _world_handles[device_type]
     ensure_initialized()
     world = tuple(range(dist.get_world_size()))
     found = group_of(device_type, [world], dist.get_rank())
     assert found is not None
+    _world_handles[device_type] = found[1]
     return found[1]
 
 

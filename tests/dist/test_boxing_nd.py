@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import random
 from typing import Any
 
 import torch
@@ -59,6 +60,17 @@ def suite(name: str) -> list[Case]:
             + _pairs(pl([0, 1]), mesh, [(7, 5)])
             + _pairs(mesh, pl([[2, 3], [0, 1]]), [(7, 5)])
         )
+    if name == "eight ranks":  # cross-placement on a world of 8, sampled pairs
+        cube = pl([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+        cases = (
+            _pairs(cube, pl(list(range(8))), [(7, 5)])
+            + _pairs(
+                pl([[0, 1, 2, 3], [4, 5, 6, 7]]), pl([[0, 4], [1, 5], [2, 6], [3, 7]]), [(7, 5)]
+            )
+            + _pairs(pl([0, 1, 2, 3]), pl([[4, 5], [6, 7]]), [(7, 5)])
+            + _pairs(mesh, pl([4, 5, 6, 7]), [(7, 5)])
+        )
+        return random.Random(0).sample(cases, 160)
     raise KeyError(name)
 
 
@@ -95,9 +107,9 @@ def run_suite(name: str) -> list[tuple[torch.Tensor, dict[str, int], dict[str, i
 # -- checks ---------------------------------------------------------------------------
 
 
-def _check_suite(pool: Any, name: str) -> None:
+def _check_suite(pool: Any, name: str, world_size: int = 4) -> None:
     cases = suite(name)
-    per_rank = pool(4).run(run_suite, name)
+    per_rank = pool(world_size).run(run_suite, name)
     problems = []
     for index, (shape, src, dst) in enumerate(cases):
         label = f"{src.describe()} -> {dst.describe()} shape {list(shape)}"
@@ -113,7 +125,7 @@ def _check_suite(pool: Any, name: str) -> None:
             ran, planned = per_rank[r][index][1], per_rank[r][index][2]
             if ran != planned:
                 problems.append(f"{label}: rank {r} ran {ran}, the plan has {planned}")
-        for r in range(4):
+        for r in range(world_size):
             if not per_rank[r][index][3]:
                 problems.append(f"{label}: rank {r}'s input tensor was modified")
             if r not in dst.placement and per_rank[r][index][0].numel() != 0:
@@ -133,6 +145,11 @@ def test_every_pair_on_2x2_in_reverse_rank_order(pool: Any) -> None:
 
 def test_across_2d_and_1d_placements(pool: Any) -> None:
     _check_suite(pool, "across placements")
+
+
+def test_across_placements_on_eight_ranks(pool: Any) -> None:
+    """2x2x2 -> 1-D, 2x4 -> 4x2 (other rank order), 1-D -> disjoint 2x2, 2x2 -> disjoint 1-D."""
+    _check_suite(pool, "eight ranks", world_size=8)
 
 
 def merged_gather() -> tuple[dict[str, int], torch.Tensor]:
