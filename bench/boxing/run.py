@@ -42,9 +42,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._report import write_section  # noqa: E402
 from sbpflow._layout import Layout  # noqa: E402
 
 
@@ -414,18 +416,6 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section in ``path``, keeping every other section."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in old and SECTION_END in old:
-        head, rest = old.split(SECTION_START, 1)
-        tail = rest.split(SECTION_END, 1)[1]
-        new = head + text + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,64", help="logical sizes in MiB (default 4,64)")
@@ -459,9 +449,11 @@ def main(argv: list[str] | None = None) -> None:
     table = render(results)
     off_target = misses(results)
     print(table)
-    print("\n".join(["off target:"] + off_target) if off_target else "all targets met")
+    print("\n".join(["off target:", *off_target]) if off_target else "all targets met")
     if args.out is not None:
-        write_section(args.out, section(table, config, off_target, load))
+        write_section(
+            args.out, section(table, config, off_target, load), SECTION_START, SECTION_END
+        )
         print(f"wrote {args.out}")
 
 

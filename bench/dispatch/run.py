@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._report import write_section  # noqa: E402
 
 WORLD = 2
 IMPLS = ("plain", "floor", "sbpflow", "dtensor")
@@ -367,18 +368,6 @@ def section(
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section in ``path``, keeping every other section."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in old and SECTION_END in old:
-        head, rest = old.split(SECTION_START, 1)
-        tail = rest.split(SECTION_END, 1)[1]
-        new = head + text + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -412,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     print("\n".join(["off target:", *off_target]) if off_target else "target met")
     if args.out is not None:
-        write_section(args.out, section(rows, config, off_target, load))
+        write_section(args.out, section(rows, config, off_target, load), SECTION_START, SECTION_END)
         print(f"wrote {args.out}")
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks (scripts: ``python bench/<name>/run.py``); shared helpers live here."""

@@ -1,0 +1,20 @@
+"""Writing a benchmark's results into its own section of ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_section(path: Path, text: str, start: str, end: str) -> None:
+    """Replace the text between ``start`` and ``end`` markers in ``path``, keeping the rest.
+
+    ``text`` includes both markers; a file without them gets the section appended.
+    """
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        tail = rest.split(end, 1)[1]
+        new = head + text + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    path.write_text(new)
