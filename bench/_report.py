@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
+
+import torch
 
 
 def write_section(path: Path, text: str, start: str, end: str) -> None:
@@ -18,3 +22,11 @@ def write_section(path: Path, text: str, start: str, end: str) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     path.write_text(new)
+
+
+def machine() -> str:
+    """The machine line every benchmark table names."""
+    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
+    return (
+        f"{cpu}, gloo over loopback, torch {torch.__version__}, Python {platform.python_version()}"
+    )

@@ -35,8 +35,6 @@ import json
 import logging
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,8 +54,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._report import write_section  # noqa: E402
+from bench._report import machine, write_section  # noqa: E402
 from sbpflow._layout import Layout  # noqa: E402
+from sbpflow.testing import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -306,18 +305,7 @@ def _worker(rank: int, world: int, port: int, config: dict[str, Any], result_pat
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- report ----------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
-    return f"{cpu}, gloo over loopback, torch {torch.__version__}"
 
 
 def _fmt(ts: list[float] | None) -> str:
@@ -443,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     for world in config["ranks"]:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "results.json")
-            mp.spawn(_worker, args=(world, _free_port(), config, path), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), config, path), nprocs=world, join=True)
             results += json.loads(Path(path).read_text())
     load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
     table = render(results)

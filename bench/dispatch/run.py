@@ -41,8 +41,6 @@ import argparse
 import json
 import logging
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -61,7 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._report import write_section  # noqa: E402
+from bench._report import machine, write_section  # noqa: E402
+from sbpflow.testing import free_port  # noqa: E402
 
 WORLD = 2
 IMPLS = ("plain", "floor", "sbpflow", "dtensor")
@@ -234,20 +233,7 @@ def _profile(timed: Timed, op: str) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- report ----------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
-    return (
-        f"{cpu}, gloo over loopback, torch {torch.__version__}, Python {platform.python_version()}"
-    )
 
 
 def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
@@ -392,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(_free_port(), config, path), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), config, path), nprocs=WORLD, join=True)
         times = json.loads(Path(path).read_text())
     load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
     rows = summarize(times)
