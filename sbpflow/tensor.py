@@ -70,18 +70,20 @@ def _meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> _Met
     return meta
 
 
-def _wrap(local: torch.Tensor, meta: _Meta) -> GlobalTensor:
-    """``GlobalTensor(local, meta.layout, meta.shape)`` for the dispatch fast path."""
-    self = _make_wrapper_subclass(
-        GlobalTensor,
+def _wrap(
+    local: torch.Tensor, meta: _Meta, requires_grad: bool = False, cls: type | None = None
+) -> GlobalTensor:
+    """``GlobalTensor(local, meta.layout, meta.shape)`` from interned metadata (the fast path)."""
+    self: GlobalTensor = _make_wrapper_subclass(
+        cls or GlobalTensor,
         meta.shape,
         strides=meta.strides,
         dtype=local.dtype,
         device=local.device,
         layout=local.layout,
+        requires_grad=requires_grad,
     )
     self._local = local
-    self._layout = meta.layout
     self._meta = meta
     return self
 
@@ -93,7 +95,6 @@ class GlobalTensor(torch.Tensor):
     """A logical tensor spread over a placement. ``.shape``/``.dtype`` are logical."""
 
     _local: torch.Tensor
-    _layout: Layout
     _meta: _Meta  # (layout, shape, dtype) interned, for the dispatch fast path
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -102,25 +103,16 @@ class GlobalTensor(torch.Tensor):
     def __new__(
         cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
     ) -> GlobalTensor:
-        shape = tuple(shape)
-        meta = _meta_of(layout, shape, local.dtype)
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=meta.strides,
-            dtype=local.dtype,
-            device=local.device,
-            layout=local.layout,
-            requires_grad=requires_grad,
-        )
-        self._local = local
-        self._layout = layout
-        self._meta = meta
+        self = _wrap(local, _meta_of(layout, tuple(shape), local.dtype), requires_grad, cls)
         if requires_grad:
             keep_grad_layout(self)
         return self
 
     # -- metadata ---------------------------------------------------------------------
+    @property
+    def _layout(self) -> Layout:
+        return self._meta.layout
+
     @property
     def placement(self) -> Placement:
         return self._layout.placement
