@@ -117,12 +117,15 @@ def empty_local_shape(ndim: int) -> tuple[int, ...]:
     return (0,) * max(ndim, 1)
 
 
-def split_sizes_along(
-    shape: Sequence[int], placement: Placement, sbp: NdSbp, axis: int, rank: int, dim: int
+def member_sizes(
+    shape: Sequence[int], layout: Layout, members: Sequence[int], dim: int
 ) -> list[int]:
-    """Sizes along ``dim`` of the local tensors of ``rank``'s group along ``axis``."""
-    group = placement.group_along(axis, rank)
-    return [box_shape(box_at(shape, placement, sbp, placement.coords_of(r)))[dim] for r in group]
+    """Length along ``dim`` of each member rank's box, in member order.
+
+    Taken from each member's own box, not from a flat balanced split of the
+    group's block: nested splits over several mesh axes give other sizes.
+    """
+    return [stop - start for start, stop in (layout.box(shape, r)[dim] for r in members)]
 
 
 def logical_shape_from_locals(
@@ -175,7 +178,3 @@ def _logical_length(
         if all(coords[a] == 0 for a in range(placement.ndim) if a not in split_axes):
             total += local_shapes[placement.rank_at(coords)][dim]
     return total
-
-
-def is_partial(s: object) -> bool:
-    return isinstance(s, Partial)

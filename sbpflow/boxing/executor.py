@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import Layout, box_shape, empty_local_shape, relative
+from .._layout import Layout, box_shape, empty_local_shape, member_sizes, relative
 from ..comm import _groups, collectives
 from ..sbp import Partial, Split
 from . import tracing as _trace
@@ -53,25 +53,25 @@ def _run_step(
     found = _groups.group_of(pl.type, pl.groups_along(step.axes), rank)
     if found is None:
         return local, False
-    members = found[0]
-    before, after = src.sbp[step.axes[0]], dst.sbp[step.axes[0]]
     group = found
+    members = group[0]
+    before, after = src.sbp[step.axes[0]], dst.sbp[step.axes[0]]
     op = step.op
     if op == "all_gather":
         assert isinstance(before, Split)
-        sizes = _member_sizes(shape, src, members, before.dim)
+        sizes = member_sizes(shape, src, members, before.dim)
         return collectives.all_gather(local, before.dim, group, sizes), True
     if op == "all_reduce":
         assert isinstance(before, Partial)
         return collectives.all_reduce(local, group, before.reduce_op, inplace=owned), True
     if op == "reduce_scatter":
         assert isinstance(before, Partial) and isinstance(after, Split)
-        sizes = _member_sizes(shape, dst, members, after.dim)
+        sizes = member_sizes(shape, dst, members, after.dim)
         return collectives.reduce_scatter(local, after.dim, group, sizes, before.reduce_op), True
     if op == "all_to_all":
         assert isinstance(before, Split) and isinstance(after, Split)
-        src_sizes = _member_sizes(shape, src, members, before.dim)
-        dst_sizes = _member_sizes(shape, dst, members, after.dim)
+        src_sizes = member_sizes(shape, src, members, before.dim)
+        dst_sizes = member_sizes(shape, dst, members, after.dim)
         out = collectives.all_to_all(local, before.dim, after.dim, group, src_sizes, dst_sizes)
         return out, True
     if op == "slice":
@@ -79,17 +79,6 @@ def _run_step(
     if op == "zero":
         return _zero(shape, local, src, dst, step.axes, rank), True
     raise AssertionError(f"unknown boxing op {op!r}")
-
-
-def _member_sizes(
-    shape: tuple[int, ...], layout: Layout, members: tuple[int, ...], dim: int
-) -> list[int]:
-    """Length along ``dim`` of each member's box, in member order.
-
-    Taken from each member's own box, not from a flat balanced split of the
-    group's block: nested splits over several axes give other sizes.
-    """
-    return [stop - start for start, stop in (layout.box(shape, r)[dim] for r in members)]
 
 
 def _zero(

@@ -20,8 +20,8 @@ from sbpflow._layout import (
     empty_local_shape,
     intersect,
     logical_shape_from_locals,
+    member_sizes,
     relative,
-    split_sizes_along,
 )
 from sbpflow.placement import Placement
 from sbpflow.sbp import Broadcast, Partial, Split
@@ -129,17 +129,16 @@ def test_intersect_and_relative() -> None:
     assert relative(((2, 4), (2, 3)), ((0, 4), (2, 6))) == (slice(2, 4), slice(0, 1))
 
 
-def test_split_sizes_along_an_axis() -> None:
+def test_member_sizes_along_an_axis() -> None:
     pl = Placement("cpu", [[0, 1], [2, 3]])
-    assert split_sizes_along((13,), pl, (S0, S0), 1, 2, 0) == [3, 3]
-    assert split_sizes_along((13,), pl, (S0, S0), 0, 1, 0) == [3, 3]
-    assert split_sizes_along((13,), pl, (S0, B), 0, 3, 0) == [7, 6]
-    assert split_sizes_along((13, 3), Placement("cpu", [0, 1, 2, 3]), (S0,), 0, 0, 0) == [
-        4,
-        3,
-        3,
-        3,
-    ]
+    nested = Layout(pl, (S0, S0))
+    assert member_sizes((13,), nested, pl.group_along(1, 2), 0) == [3, 3]
+    assert member_sizes((13,), nested, pl.group_along(0, 1), 0) == [3, 3]
+    assert member_sizes((13,), Layout(pl, (S0, B)), pl.group_along(0, 3), 0) == [7, 6]
+    flat = Placement("cpu", [0, 1, 2, 3])
+    assert member_sizes((13, 3), Layout(flat, (S0,)), flat.group_along(0, 0), 0) == [4, 3, 3, 3]
+    # Merged axes: each member's own nested box, not a flat balanced split of 6 over 4.
+    assert member_sizes((6,), nested, pl.groups_along((0, 1))[0], 0) == [2, 1, 2, 1]
 
 
 def test_logical_shape_from_balanced_locals() -> None:
