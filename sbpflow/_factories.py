@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ._layout import Layout, empty_local_shape
+from ._layout import Layout, empty_local_shape, partial_piece
 from .comm._world import device_for, get_rank
 from .placement import Placement
-from .sbp import Partial, normalize
+from .sbp import normalize
 from .tensor import GlobalTensor
 
 __all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
@@ -72,22 +72,11 @@ def _build(
         box = layout.box(shape, rank)
         local = make(box, device).to(dtype)
         if layout.has_partial:
-            local = _partial_piece(local, layout, rank)
+            local = partial_piece(local, layout, rank)
     else:
         local = torch.empty(empty_local_shape(len(shape)), dtype=dtype, device=device)
     out = GlobalTensor(local.to(dtype), layout, shape)
     return out.requires_grad_(requires_grad) if requires_grad else out
-
-
-def _partial_piece(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    # A partial axis holds the value on the group's first rank and, elsewhere, the
-    # reduction's identity: zeros for a sum, the lowest value for a max (zeros would
-    # turn negative entries of a partial_max tensor into 0).
-    coords = layout.placement.coords_of(rank)
-    for c, s in zip(coords, layout.sbp, strict=True):
-        if isinstance(s, Partial) and c != 0:
-            return torch.full_like(local, s.identity(local.dtype))
-    return local
 
 
 def _flat_index(

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, Partial, Split, normalize, sbp_str
 
@@ -178,3 +180,23 @@ def _logical_length(
         if all(coords[a] == 0 for a in range(placement.ndim) if a not in split_axes):
             total += local_shapes[placement.rank_at(coords)][dim]
     return total
+
+
+def partial_piece(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """``local`` as ``rank``'s part of a partial layout holding it once.
+
+    On a partial axis the group's first rank keeps the value and the others hold
+    the reduction's identity: zeros for a sum, the lowest value for a max (zeros
+    would turn negative entries of a partial_max tensor into 0).
+    """
+    coords = layout.placement.coords_of(rank)
+    for c, s in zip(coords, layout.sbp, strict=True):
+        if isinstance(s, Partial) and c != 0:
+            return torch.full_like(local, s.identity(local.dtype))
+    return local
+
+
+def local_piece(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """This rank's piece of a logical tensor that every rank holds whole."""
+    box = layout.box(tuple(full.shape), rank)
+    return partial_piece(full[tuple(slice(a, b) for a, b in box)], layout, rank)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path
 
-from .._layout import Layout
+from .._layout import Layout, local_piece
 from ..sbp import Broadcast, Partial, SbpParallel, Split
 from ._registry import OpInfo, Strategy, TensorMeta, bind
 
@@ -106,20 +106,6 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 # -- local helpers ------------------------------------------------------------------
-
-
-def local_piece(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    """This rank's piece of a logical tensor every rank holds whole.
-
-    Split axes slice it; on a partial axis the group's first rank keeps the
-    value and the others hold zeros (the same convention boxing uses).
-    """
-    box = layout.box(tuple(full.shape), rank)
-    piece = full[tuple(slice(a, b) for a, b in box)]
-    coords = layout.placement.coords_of(rank)
-    if any(isinstance(s, Partial) and c != 0 for s, c in zip(layout.sbp, coords, strict=True)):
-        return torch.zeros_like(piece)
-    return piece
 
 
 def box_to(local: torch.Tensor, layout: Layout, shape: Sequence[int], dst: Layout) -> torch.Tensor:
