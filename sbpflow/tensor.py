@@ -369,13 +369,12 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
         found = _groups.group_of(pl.type, groups, rank)
         if found is not None:
             ranks, _ = found
+            # The head only sends (dist.broadcast leaves its buffer untouched).
             buffer = (
                 local.contiguous()
                 if rank == ranks[0]
                 else torch.empty_like(local, memory_format=torch.contiguous_format)
             )
-            if rank == ranks[0] and buffer is local:
-                buffer = local  # the head only sends; dist.broadcast leaves it untouched
             local = collectives.broadcast(buffer, ranks[0], found)
             _trace.record(None, ["broadcast"])
     if rank not in pl:
