@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from .comm import collectives
-from .comm._world import get_rank, get_world_size
 
 MAX_DIMS = 16
 _HEADER = 8
@@ -137,7 +136,3 @@ def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:
         "and must pass the same placement, SBP and dtype (and, for global tensors, shape). "
         "Check for rank-dependent branches before this call."
     )
-
-
-def world() -> tuple[int, int]:
-    return get_rank(), get_world_size()

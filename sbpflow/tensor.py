@@ -123,10 +123,6 @@ class GlobalTensor(torch.Tensor):
         return self._layout.sbp
 
     @property
-    def layout_spec(self) -> Layout:
-        return self._layout
-
-    @property
     def is_global(self) -> bool:
         return True
 

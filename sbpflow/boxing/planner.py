@@ -65,13 +65,13 @@ import torch
 
 from .._layout import Layout
 from ..placement import Placement
-from ..sbp import NdSbp, Partial, normalize, sbp_str
+from ..sbp import NdSbp, Partial, normalize
 from . import _transfer
 from . import cost as _cost
 from ._steps import Codes, Values, axis_groups, candidate_values, coded_edges, states, transfer_edge
 from .plan import BoxingPlan, BoxingStep
 
-__all__ = ["clear_cache", "describe_path", "plan", "searched_graph"]
+__all__ = ["clear_cache", "plan", "searched_graph"]
 
 # Between two placements, every source state gets an edge to every destination
 # state while there are at most this many pairs (2x2 -> 2x2 with four values per
@@ -331,9 +331,3 @@ def searched_graph(
 
 def _add_edge(graph: nx.DiGraph, step: BoxingStep) -> None:
     graph.add_edge(step.src, step.dst, weight=step.cost, step=step, op=step.op, chosen=False)
-
-
-def describe_path(steps: Sequence[BoxingStep]) -> str:
-    if not steps:
-        return "(identity)"
-    return " -> ".join([sbp_str(steps[0].src.sbp)] + [sbp_str(s.dst.sbp) for s in steps])

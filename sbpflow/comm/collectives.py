@@ -290,10 +290,6 @@ def _my_index(ranks: Sequence[int]) -> int:
     return list(ranks).index(dist.get_rank())
 
 
-def get_rank() -> int:
-    return dist.get_rank()
-
-
 def all_gather_object(obj: object) -> list:
     """Gather one picklable object per world rank (slow path, for error reports)."""
     handle = world_group("cpu")
