@@ -44,7 +44,7 @@ class RankMeta:
     sbp: str
     in_placement: bool
 
-    def encode(self) -> torch.Tensor:
+    def encode(self) -> tuple[int, ...]:
         header = [
             1 if self.error else 0,
             _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99,
@@ -54,15 +54,14 @@ class RankMeta:
             1 if self.in_placement else 0,
         ]
         dims = list(self.shape[:MAX_DIMS])
-        values = header + [0] * (_HEADER - len(header)) + dims + [0] * (MAX_DIMS - len(dims))
-        return torch.tensor(values, dtype=torch.int64)  # one op: this runs on every to_global
+        return (*header, *[0] * (_HEADER - len(header)), *dims, *[0] * (MAX_DIMS - len(dims)))
 
     @functools.cached_property
-    def _encoded(self) -> torch.Tensor:
+    def _encoded(self) -> tuple[int, ...]:
         return self.encode()
 
-    def encoded(self) -> torch.Tensor:
-        """``encode()``, computed once per ``RankMeta`` (never modified by the exchange)."""
+    def encoded(self) -> tuple[int, ...]:
+        """``encode()``, computed once per ``RankMeta``."""
         return self._encoded
 
 
@@ -83,7 +82,7 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
             mine.dtype, mine.shape[:MAX_DIMS], mine.placement, mine.sbp, mine.in_placement,
         )  # fmt: skip
     # Decoded as Python lists: per-element tensor indexing costs ~100 us per call.
-    rows: list[list[int]] = collectives.all_gather_meta(mine.encode()).tolist()
+    rows = collectives.all_gather_meta(mine.encode())
     shapes = [tuple(row[_HEADER : _HEADER + row[2]]) for row in rows]
     errors_flagged = any(row[0] for row in rows)
     columns = [1, 3, 4] + ([2] if not compare_shapes else [])
@@ -101,9 +100,8 @@ def agree(mine: RankMeta, what: str) -> None:
     The encoded vector is cached on ``mine``; the check is one small collective
     and one comparison, and only a mismatch pays for readable messages.
     """
-    vector = mine.encoded()
-    table = collectives.all_gather_meta(vector)
-    if not bool((table == vector).all()):
+    vector = list(mine.encoded())
+    if any(row != vector for row in collectives.all_gather_meta(vector)):
         _raise_everywhere(mine, what, compare_shapes=True)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _shared_table
 from ._groups import world_group
 from ._world import timeout_seconds
 
@@ -247,19 +248,32 @@ def exchange(
             work.wait()
 
 
-def all_gather_meta(vector: torch.Tensor) -> torch.Tensor:
-    """Gather one int64 vector per world rank (CPU, gloo): shape ``(world, len)``."""
+def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
+    """Gather one vector of int64 values per world rank, in rank order.
+
+    Through shared memory when the whole world is on one host (NOTE
+    [shared-memory meta check]), else over gloo.
+    """
     handle = world_group("cpu")
-    world = dist.get_world_size()
     if handle is None:
-        return vector.view(1, -1)
-    out = vector.new_empty(world * vector.numel())
+        return [list(values)]
+    world = dist.get_world_size()
     with _named("metadata check (all_gather)", range(world)):
+        width = len(values)
+        if width not in _shared_tables:
+            _shared_tables[width] = _shared_table.open_for_world(handle, width)
+        table = _shared_tables[width]
+        if table is not None:
+            return table.gather(values, timeout_seconds())
+        vector = torch.tensor(values, dtype=torch.int64)
+        out = vector.new_empty(world * width)
         # An all_to_all of the vector repeated: one message to each peer, all at
         # once, where gloo's ring all_gather takes world - 1 hops in sequence.
-        # This runs on every user-level to_global, so its latency is what counts.
         dist.all_to_all_single(out, vector.repeat(world), group=handle)
-    return out.view(world, -1)
+        return out.view(world, width).tolist()
+
+
+_shared_tables: dict[int, _shared_table.SharedTable | None] = {}
 
 
 # NOTE [member order]
