@@ -202,6 +202,14 @@ class _Fast:
 
 
 _fast: dict[Any, _Fast] = {}
+
+
+def _forget_decisions() -> None:
+    _decisions.clear()
+    _fast.clear()
+
+
+_registry.on_change(_forget_decisions)  # a new rule replaces what was decided without it
 # Bound by _load_rules (tensor.py imports this module, so not at import time).
 _global_type: Any = None  # GlobalTensor
 _wrap: Any = None  # tensor._wrap

@@ -176,12 +176,30 @@ Decomposition = Callable[[Any, tuple, dict], Any]  # (func, args, kwargs) -> res
 _decompositions: dict[Any, Decomposition] = {}
 
 
+_on_change: list[Callable[[], None]] = []
+
+
+def on_change(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever a rule or decomposition is (re-)registered.
+
+    The dispatcher caches what it decided per op (NOTE [fast path]); a rule
+    registered after an op was first seen must replace those decisions.
+    """
+    _on_change.append(forget)
+
+
+def _changed() -> None:
+    for forget in _on_change:
+        forget()
+
+
 def register(*ops: Any, family: str, local: LocalFn | None = None) -> Callable[[Rule], Rule]:
     """Register ``rule`` for ATen overloads or overload packets (``aten.add`` covers all)."""
 
     def decorate(rule: Rule) -> Rule:
         for op in ops:
             _rules[op] = Registered(rule, local, family)
+        _changed()
         return rule
 
     return decorate
@@ -193,6 +211,7 @@ def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition
     def decorate(fn: Decomposition) -> Decomposition:
         for op in ops:
             _decompositions[op] = fn
+        _changed()
         return fn
 
     return decorate

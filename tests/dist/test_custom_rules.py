@@ -1,0 +1,57 @@
+"""A rule registered after an op has already run replaces the dispatcher's cached decisions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow.ops import _registry
+from sbpflow.ops._registry import OpInfo, Strategy, register
+from sbpflow.sbp import Broadcast, split
+from sbpflow.testing import DistributedPool
+
+aten = torch.ops.aten
+
+
+def _neg_twice_with_a_new_rule_between() -> list[Any]:
+    world = sbpflow.env.get_world_size()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    full = torch.arange(4.0 * world * 3).reshape(4 * world, 3)
+    x = full.to_global(placement, sbpflow.sbp.broadcast).to_global(sbp=split(0))
+    for _ in range(3):  # repeated calls: the decision is cached and the fast path taken
+        with sbpflow.boxing.trace() as before:
+            y = torch.neg(x)
+    saved = {op: _registry._rules[op] for op in (aten.neg, aten.neg.default) if op in _registry._rules}
+
+    @register(aten.neg.default, family="test: broadcast only")
+    def broadcast_only(info: OpInfo) -> list[Strategy]:
+        return [Strategy((Broadcast(),), (Broadcast(),))]
+
+    try:
+        with sbpflow.boxing.trace() as after:
+            z = torch.neg(x)
+    finally:
+        _registry._rules.pop(aten.neg.default, None)
+        _registry._rules.update(saved)
+        _registry._changed()
+    with sbpflow.boxing.trace() as restored:
+        w = torch.neg(x)
+    return [
+        (y.sbp == (split(0),), dict(before.collectives())),
+        (z.sbp == (sbpflow.sbp.broadcast,), dict(after.collectives())),
+        (w.sbp == (split(0),), dict(restored.collectives())),
+        torch.equal(z.to_global(sbp=sbpflow.sbp.broadcast).to_local(), -full),
+    ]
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_a_rule_registered_later_is_used_at_once(dist_pool: DistributedPool) -> None:
+    for result in dist_pool.run(_neg_twice_with_a_new_rule_between):
+        before, after, restored, correct = result
+        assert before == (True, {})  # S(0) stays S(0): no collective
+        assert after == (True, {"all_gather": 1})  # the new rule boxes to B
+        assert restored == (True, {})
+        assert correct
