@@ -166,6 +166,15 @@ class GlobalTensor(torch.Tensor):
             keep_grad_layout(self)
         return self
 
+    @property
+    def requires_grad(self) -> bool:
+        return _TENSOR_REQUIRES_GRAD.__get__(self)  # type: ignore[attr-defined]
+
+    @requires_grad.setter
+    def requires_grad(self, requires_grad: bool) -> None:
+        """``t.requires_grad = True`` does what ``t.requires_grad_()`` does."""
+        self.requires_grad_(requires_grad)
+
     # -- conversions ----------------------------------------------------------------
     def to_local(self) -> torch.Tensor:
         """This rank's piece (empty on a rank outside the placement). Differentiable."""
@@ -217,6 +226,9 @@ def _dispatch_op(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 def is_global(x: object) -> bool:
     return isinstance(x, GlobalTensor)
+
+
+_TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 
 
 def keep_grad_layout(leaf: torch.Tensor) -> None:
