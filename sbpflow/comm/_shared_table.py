@@ -17,10 +17,16 @@
 # published k+1, that is, after every rank has finished reading call k, so
 # nobody overwrites a slot that is still being read.
 #
-# Waiting spins (yielding the CPU) for a short while, then sleeps with a
-# backoff of up to a millisecond. It is bounded like a collective: past the
-# collective timeout it raises, and a peer process that exited is noticed
-# within about a tenth of a second. The table is set up once, at the first
+# Waiting spins (yielding the CPU) for a short while, then sleeps on a futex:
+# one 32-bit word of the table, which every rank overwrites with a token of
+# its own (unique per call and rank) after publishing, and then wakes all
+# sleepers. A rank reads the word before it looks at the slots and sleeps only
+# while the word still holds what it read, so a publication between the look
+# and the sleep is never missed (sleeps last at most 0.1 s, which also bounds
+# the cost of a wake-up lost to a CPU that reorders more than x86 does).
+# Without futexes it polls with short sleeps. Waiting is bounded like a
+# collective: past the collective timeout it raises, and a peer process that
+# exited is noticed within about a tenth of a second. The table is set up once, at the first
 # check, by gloo collectives over the world; any rank that cannot map it (no
 # /dev/shm, another host, a container with its own /dev/shm) makes every rank
 # keep the gloo path. ``SBPFLOW_SHARED_MEMORY=0`` turns the table off.
@@ -29,6 +35,7 @@
 from __future__ import annotations
 
 import array
+import ctypes
 import mmap
 import os
 import socket
@@ -38,9 +45,11 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from . import _futex
+
 _DIRECTORY = "/dev/shm"
 _SPINS = 64  # yielding spins before sleeping
-_MAX_SLEEP_S = 2.5e-4
+_MAX_SLEEP_S = 2.5e-4  # polling, where futexes are not available
 _LIVENESS_EVERY_S = 0.1
 
 
@@ -56,6 +65,13 @@ class SharedTable:
         self._pids = list(pids)
         self._seq = 0
         self._broken: str | None = None
+        self._words = memoryview(buffer).cast("i")
+        self._wake_cell = self._probe_base() + world  # its first 4 bytes are the futex word
+        self._wake_address = 0
+        self._anchor: ctypes.c_char | None = None
+        if _futex.AVAILABLE:
+            self._anchor = ctypes.c_char.from_buffer(buffer, 8 * self._wake_cell)
+            self._wake_address = ctypes.addressof(self._anchor)
 
     @property
     def _slot_size(self) -> int:
@@ -63,7 +79,8 @@ class SharedTable:
 
     @staticmethod
     def size_in_bytes(world: int, width: int) -> int:
-        return 8 * 2 * world * (width + 2) + 8 * world  # two slots per rank, then the probe row
+        # two slots per rank, the probe row, the wake-up word
+        return 8 * (2 * world * (width + 2) + world + 1)
 
     def _slot(self, rank: int, seq: int) -> int:
         return (rank * 2 + seq % 2) * self._slot_size
@@ -94,6 +111,9 @@ class SharedTable:
         cells[mine + 1 : mine + 1 + self._width] = array.array("q", values)
         cells[mine + self._width + 1] = hash((seq, *values))
         cells[mine] = seq
+        if self._wake_address:
+            self._words[2 * self._wake_cell] = (seq * self._world + self._rank) % 2**31
+            _futex.wake_all(self._wake_address)
         try:
             return self._wait_for_all(seq, timeout_s)
         except RuntimeError as error:
@@ -107,6 +127,7 @@ class SharedTable:
         start = time.monotonic()
         next_liveness = start + _LIVENESS_EVERY_S
         while True:
+            token = self._words[2 * self._wake_cell]
             missing = []
             for rank in range(self._world):
                 if rows[rank] is not None:
@@ -124,7 +145,10 @@ class SharedTable:
             if spins <= _SPINS:
                 os.sched_yield()
                 continue
-            time.sleep(min(_MAX_SLEEP_S, 1e-5 * (spins - _SPINS)))
+            if self._wake_address:
+                _futex.wait(self._wake_address, token, _LIVENESS_EVERY_S)
+            else:
+                time.sleep(min(_MAX_SLEEP_S, 1e-5 * (spins - _SPINS)))
             now = time.monotonic()
             if now - start > timeout_s:
                 raise RuntimeError(
@@ -143,7 +167,9 @@ class SharedTable:
                 )
 
     def close(self) -> None:
+        self._anchor = None
         self._cells.release()
+        self._words.release()
         self._buffer.close()
 
 

@@ -6,6 +6,7 @@ of one host do (NOTE [shared-memory meta check]).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.comm import _shared_table
+from sbpflow.comm import _futex, _shared_table
 from sbpflow.comm._shared_table import SharedTable
 
 WIDTH = 5
@@ -121,3 +122,46 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _shared_table.enabled_by_environment()
     monkeypatch.delenv("SBPFLOW_SHARED_MEMORY")
     assert _shared_table.enabled_by_environment()
+
+
+needs_futex = pytest.mark.skipif(not _futex.AVAILABLE, reason="needs the Linux futex call")
+
+
+@needs_futex
+def test_futex_wait_returns_when_the_word_differs_and_times_out_when_it_does_not() -> None:
+    word = ctypes.c_int(5)
+    start = time.monotonic()
+    _futex.wait(ctypes.addressof(word), 6, timeout_s=5.0)  # differs: at once
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    _futex.wait(ctypes.addressof(word), 5, timeout_s=0.2)  # equal: sleeps out the timeout
+    assert 0.15 <= time.monotonic() - start < 2.0
+
+
+@needs_futex
+def test_futex_wake_all_wakes_a_sleeper_at_once() -> None:
+    word = ctypes.c_int(0)
+    woke_after: list[float] = []
+
+    def sleeper() -> None:
+        start = time.monotonic()
+        _futex.wait(ctypes.addressof(word), 0, timeout_s=20.0)
+        woke_after.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    time.sleep(0.2)  # let it fall asleep
+    word.value = 1
+    _futex.wake_all(ctypes.addressof(word))
+    thread.join(timeout=20)
+    assert woke_after and woke_after[0] < 5.0, woke_after
+
+
+def test_without_futexes_the_table_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_futex, "AVAILABLE", False)
+    tables = _tables(tmp_path, 2)
+    assert all(t._wake_address == 0 for t in tables)
+    results = _in_threads(
+        2, lambda rank: [tables[rank].gather([rank] * WIDTH, 30) for _ in range(20)]
+    )
+    assert results == [[[[0] * WIDTH, [1] * WIDTH]] * 20] * 2
