@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._world import ensure_initialized, timeout_delta
+from ._world import ensure_initialized, on_teardown, timeout_delta
 
 _groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
 
@@ -65,6 +65,16 @@ def ensure_placement_groups(placement: Any, rank: int) -> None:
 
 
 _world_handles: dict[str, dist.ProcessGroup | None] = {}
+
+
+def _forget_groups() -> None:
+    """Drop the cached groups so that they are freed now (NOTE [teardown])."""
+    _groups.clear()
+    _world_handles.clear()
+    _prepared.clear()
+
+
+on_teardown(_forget_groups)
 
 
 def world_group(device_type: str) -> dist.ProcessGroup | None:

@@ -221,26 +221,23 @@ def open_for_world(group: dist.ProcessGroup, width: int) -> SharedTable | None:
     every rank reaches the same verdict.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    here = (
-        socket.gethostname(),
-        _boot_id(),
-        os.path.isdir(_DIRECTORY) and enabled_by_environment(),
-    )
-    hosts: list[tuple[str, str, bool, int]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(hosts, (*here, os.getpid()), group=group)
-    if any(h[:3] != hosts[0][:3] for h in hosts) or not hosts[0][2]:
-        return None
-    path = [os.path.join(_DIRECTORY, f"sbpflow-meta-{uuid.uuid4().hex}") if rank == 0 else ""]
-    if rank == 0:
+    usable = os.path.isdir(_DIRECTORY) and enabled_by_environment()
+    path = ""
+    if rank == 0 and usable:
+        path = os.path.join(_DIRECTORY, f"sbpflow-meta-{uuid.uuid4().hex}")
         try:
-            create_file(path[0], world, width)
+            create_file(path, world, width)
         except OSError:
-            path[0] = ""
-    dist.broadcast_object_list(path, src=0, group=group)
+            path = ""
+    # Rank 0 made the file before the first gather, which hands its path to everyone.
+    here = (socket.gethostname(), _boot_id(), usable, os.getpid(), path)
+    hosts: list[tuple[str, str, bool, int, str]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(hosts, here, group=group)
+    shared_path = hosts[0][4]
     table = None
-    if path[0]:
+    if shared_path and all(h[:3] == hosts[0][:3] for h in hosts):
         try:
-            table = map_table(path[0], rank, world, width, [h[3] for h in hosts])
+            table = map_table(shared_path, rank, world, width, [h[3] for h in hosts])
             table.write_probe()
         except OSError:
             table = None
@@ -248,8 +245,8 @@ def open_for_world(group: dist.ProcessGroup, width: int) -> SharedTable | None:
     ok = table is not None and table.probe_sees_everyone()
     verdicts: list[bool] = [False] * world
     dist.all_gather_object(verdicts, ok, group=group)
-    if rank == 0 and path[0]:
-        os.unlink(path[0])  # every rank has mapped it (or given up): nothing is left behind
+    if path:
+        os.unlink(path)  # every rank has mapped it (or given up): nothing is left behind
     if all(verdicts):
         return table
     if table is not None:

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -120,12 +121,37 @@ def _rendezvous(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore("default_pg", store)
 
 
+# NOTE [teardown]
+# gloo can abort a process at interpreter exit ("terminate called without an
+# active exception"): a group still alive then has worker threads that drop
+# finished work, and dropping a work that holds a Python-owned tensor needs
+# the GIL, which a finalizing interpreter no longer hands out, so the thread
+# is unwound through a noexcept destructor. Every group must therefore be
+# freed (its threads joined) while the interpreter still runs: at exit sbpflow
+# destroys the default group it created, then drops its own references to
+# every group (``on_teardown`` callbacks, run by an exit handler registered
+# when ``sbpflow.comm`` is imported, so after the user's own exit handlers).
+
+_teardown: list[Callable[[], None]] = []
+
+
+def on_teardown(forget: Callable[[], None]) -> None:
+    """Run ``forget`` at interpreter exit, after the default group is destroyed."""
+    _teardown.append(forget)
+
+
 def _destroy_at_exit() -> None:
-    # gloo can abort a process at interpreter exit ("terminate called without an
-    # active exception") when its group was never destroyed; tear it down first.
     if is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _forget_at_exit() -> None:
+    for forget in _teardown:
+        forget()
+
+
+atexit.register(_forget_at_exit)  # at import: runs after every later-registered handler
 
 
 def get_rank() -> int:
