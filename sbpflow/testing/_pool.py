@@ -16,7 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -58,7 +58,14 @@ class DistributedPool:
     module-level functions of importable modules (e.g. ``tests.dist.test_x``).
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0, grace: float = 10.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 120.0,
+        grace: float = 10.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
         if timeout <= 0 or grace < 0:
@@ -66,12 +73,19 @@ class DistributedPool:
         self.world_size = world_size
         self.timeout = float(timeout)
         self.grace = float(grace)
+        self.env = dict(env or {})  # extra environment for the ranks (restarts keep it)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stack_dir: str | None = None
         self._job_id = 0
         self.num_starts = 0
         self._start()
+
+    def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "stopped"
@@ -173,6 +187,7 @@ class DistributedPool:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
+                **self.env,
             }
             parent_conn, child_conn = _SPAWN.Pipe(duplex=True)
             stack_file = os.path.join(self._stack_dir, f"rank{rank}.txt")

@@ -228,14 +228,10 @@ def _skip_on_rank_one(check_meta: bool) -> str:
 
 
 @pytest.fixture
-def short_timeout_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistributedPool]:
-    """A private 2-rank pool whose groups time out after 3 s (spawned ranks inherit the env)."""
-    monkeypatch.setenv("SBPFLOW_TIMEOUT", "3")
-    pool = DistributedPool(2, timeout=60.0)
-    try:
+def short_timeout_pool() -> Iterator[DistributedPool]:
+    """A private 2-rank pool whose groups time out after 3 s."""
+    with DistributedPool(2, timeout=60.0, env={"SBPFLOW_TIMEOUT": "3"}) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def test_a_rank_skipping_to_global_times_out_with_the_op_named(

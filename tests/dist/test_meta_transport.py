@@ -38,13 +38,8 @@ def test_one_host_checks_through_shared_memory(dist_pool: DistributedPool) -> No
 @pytest.fixture(scope="module")
 def gloo_check_pool() -> Iterator[DistributedPool]:
     """A private 2-rank pool whose ranks start with ``SBPFLOW_SHARED_MEMORY=0``."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SBPFLOW_SHARED_MEMORY", "0")
-        pool = DistributedPool(2, timeout=60.0)
-        try:
-            yield pool
-        finally:
-            pool.close()
+    with DistributedPool(2, timeout=60.0, env={"SBPFLOW_SHARED_MEMORY": "0"}) as pool:
+        yield pool
 
 
 @pytest.mark.parametrize("name", list(MISTAKES))
@@ -64,17 +59,11 @@ def _rank_one_exits() -> str:
     return "finished"
 
 
-def test_a_rank_that_exits_is_noticed_long_before_the_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("SBPFLOW_TIMEOUT", "120")
-    monkeypatch.setenv("SBPFLOW_SHARED_MEMORY", "1")
-    pool = DistributedPool(2, timeout=60.0)
-    try:
+def test_a_rank_that_exits_is_noticed_long_before_the_timeout() -> None:
+    env = {"SBPFLOW_TIMEOUT": "120", "SBPFLOW_SHARED_MEMORY": "1"}
+    with DistributedPool(2, timeout=60.0, env=env) as pool:
         assert pool.run(_uses_shared_table) == [True, True]
         outcomes = pool.run_expect_errors(_rank_one_exits, timeout=WITHIN_S)
-    finally:
-        pool.close()
     assert outcomes.elapsed < 15, outcomes.elapsed
     error = outcomes[0]
     if isinstance(error, RemoteError):

@@ -33,11 +33,8 @@ def _box_then_run_the_exit_handlers() -> tuple[int, int]:
 
 
 def test_exit_handlers_join_every_gloo_thread() -> None:
-    pool = DistributedPool(2, timeout=60.0)
-    try:
+    with DistributedPool(2, timeout=60.0) as pool:
         results = pool.run(_box_then_run_the_exit_handlers)
-    finally:
-        pool.close()
     for before, after in results:
         assert before > 0  # the check can fail: there were threads to join
         assert after == 0
