@@ -41,7 +41,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -214,11 +215,16 @@ def enabled_by_environment() -> bool:
     return os.environ.get("SBPFLOW_SHARED_MEMORY", "1").strip().lower() not in ("0", "false", "no")
 
 
-def open_for_world(group: dist.ProcessGroup, width: int) -> SharedTable | None:
+def open_for_world(
+    group: dist.ProcessGroup,
+    width: int,
+    gather_objects: Callable[[Any, dist.ProcessGroup], list[Any]],
+) -> SharedTable | None:
     """Map one table shared by every rank of ``group`` (the world), or ``None`` everywhere.
 
     A collective over the world: every rank calls it at the same point, and
-    every rank reaches the same verdict.
+    every rank reaches the same verdict. ``gather_objects(obj, group)`` is the
+    all_gather of picklable objects it talks through.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     usable = os.path.isdir(_DIRECTORY) and enabled_by_environment()
@@ -231,8 +237,7 @@ def open_for_world(group: dist.ProcessGroup, width: int) -> SharedTable | None:
             path = ""
     # Rank 0 made the file before the first gather, which hands its path to everyone.
     here = (socket.gethostname(), _boot_id(), usable, os.getpid(), path)
-    hosts: list[tuple[str, str, bool, int, str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(hosts, here, group=group)
+    hosts: list[tuple[str, str, bool, int, str]] = gather_objects(here, group)
     shared_path = hosts[0][4]
     table = None
     if shared_path and all(h[:3] == hosts[0][:3] for h in hosts):
@@ -243,8 +248,7 @@ def open_for_world(group: dist.ProcessGroup, width: int) -> SharedTable | None:
             table = None
     dist.barrier(group=group)
     ok = table is not None and table.probe_sees_everyone()
-    verdicts: list[bool] = [False] * world
-    dist.all_gather_object(verdicts, ok, group=group)
+    verdicts: list[bool] = gather_objects(ok, group)
     if path:
         os.unlink(path)  # every rank has mapped it (or given up): nothing is left behind
     if all(verdicts):

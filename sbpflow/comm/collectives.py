@@ -10,6 +10,7 @@ as ``CollectiveError`` naming the operation and the ranks.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -261,7 +262,7 @@ def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
     with _named("metadata check (all_gather)", range(world)):
         width = len(values)
         if width not in _shared_tables:
-            _shared_tables[width] = _shared_table.open_for_world(handle, width)
+            _shared_tables[width] = _shared_table.open_for_world(handle, width, gather_objects)
         table = _shared_tables[width]
         if table is not None:
             return table.gather(values, timeout_seconds())
@@ -309,7 +310,26 @@ def all_gather_object(obj: object) -> list:
     handle = world_group("cpu")
     if handle is None:
         return [obj]
-    out: list = [None] * dist.get_world_size()
     with _named("metadata check (all_gather_object)", range(dist.get_world_size())):
-        dist.all_gather_object(out, obj, group=handle)
-    return out
+        return gather_objects(obj, handle)
+
+
+def gather_objects(obj: object, handle: dist.ProcessGroup) -> list:
+    """``torch.distributed.all_gather_object`` without numpy (not a dependency; torch's needs it).
+
+    Two fixed-shape all_gathers over ``handle``: the pickled sizes, then the
+    pickles padded to the longest.
+    """
+    world = dist.get_world_size(handle)
+    payload = pickle.dumps(obj)
+    mine = torch.zeros(1, dtype=torch.int64)
+    mine[0] = len(payload)
+    sizes = mine.new_empty(world)
+    _all_gather_single(sizes, mine, group=handle)
+    lengths = sizes.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    if payload:
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = padded.new_empty((world, padded.numel()))
+    _all_gather_single(rows.view(-1), padded, group=handle)
+    return [pickle.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(lengths)]

@@ -75,3 +75,28 @@ def test_a_rank_that_exits_is_noticed_long_before_the_timeout() -> None:
         r"exited while the others waited",
         str(error),
     ), str(error)
+
+
+def _mismatch_without_numpy() -> str:
+    """Rank-dependent SBPs with ``Tensor.numpy`` failing as it does where numpy is missing."""
+    real = torch.Tensor.numpy
+
+    def unavailable(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Numpy is not available")
+
+    torch.Tensor.numpy = unavailable  # type: ignore[method-assign,assignment]
+    try:
+        sbp = split(0) if sbpflow.env.get_rank() == 0 else sbpflow.sbp.broadcast
+        torch.ones(2, 2).to_global(sbpflow.placement("cpu", [0, 1]), sbp)
+    except ValueError as error:
+        return str(error)
+    finally:
+        torch.Tensor.numpy = real  # type: ignore[method-assign]
+    return "no error"
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_the_mismatch_report_needs_no_numpy(dist_pool: DistributedPool) -> None:
+    for message in dist_pool.run(_mismatch_without_numpy):
+        assert "ranks disagree in to_global" in message, message
+        assert "sbp: rank 0 passed" in message, message

@@ -41,9 +41,15 @@ CASES = [
 ]
 
 
+# The README's demo command installs torch and sbpflow only. numpy is not a dependency
+# (the test extras bring it in), so the examples run with it hidden, as on a user's machine.
+NO_NUMPY = Path(__file__).resolve().parent / "_no_numpy"
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    paths = [str(NO_NUMPY), str(REPO_ROOT), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
