@@ -199,8 +199,12 @@ def map_table(path: str, rank: int, world: int, width: int, pids: Sequence[int])
 
 
 def create_file(path: str, world: int, width: int) -> None:
-    with open(path, "wb") as f:
-        f.truncate(SharedTable.size_in_bytes(world, width))
+    """A new zero-filled table file, readable and writable by this user only."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, SharedTable.size_in_bytes(world, width))
+    finally:
+        os.close(fd)
 
 
 def _boot_id() -> str:

@@ -165,3 +165,12 @@ def test_without_futexes_the_table_polls(tmp_path: Path, monkeypatch: pytest.Mon
         2, lambda rank: [tables[rank].gather([rank] * WIDTH, 30) for _ in range(20)]
     )
     assert results == [[[[0] * WIDTH, [1] * WIDTH]] * 20] * 2
+
+
+def test_the_table_file_is_private_and_never_reused(tmp_path: Path) -> None:
+    path = str(tmp_path / "table")
+    _shared_table.create_file(path, 2, WIDTH)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.path.getsize(path) == SharedTable.size_in_bytes(2, WIDTH)
+    with pytest.raises(FileExistsError):
+        _shared_table.create_file(path, 2, WIDTH)
