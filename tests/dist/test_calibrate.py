@@ -9,8 +9,10 @@ the whole session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import sbpflow
 from sbpflow import sbp
 from sbpflow.boxing import cost
 from sbpflow.testing import DistributedPool
+from sbpflow.testing._transport import environ
 
 _SIZES = (4096, 65536, 262144)  # small: the test checks plumbing, not the machine
 _SHAPE = (256, 128)
@@ -40,11 +43,19 @@ def _plan_summary() -> tuple[list[str], float]:
     return [step.op for step in plan.steps], plan.cost
 
 
-def _calibrate_job(cache_dir: str) -> dict[str, Any]:
-    previous = os.environ.get("SBPFLOW_CACHE_DIR")
-    os.environ["SBPFLOW_CACHE_DIR"] = cache_dir
-    cost.reset()
+@contextlib.contextmanager
+def _cache_dir(path: str) -> Iterator[None]:
+    """Calibrations read and written under ``path``; the cost model is reset on the way out."""
     try:
+        with environ({"SBPFLOW_CACHE_DIR": path}):
+            yield
+    finally:
+        cost.reset()
+
+
+def _calibrate_job(cache_dir: str) -> dict[str, Any]:
+    with _cache_dir(cache_dir):
+        cost.reset()
         default_plan = _plan_summary()
         result = sbpflow.boxing.calibrate(sizes=_SIZES, repeats=2, per_axis=True)
         installed = cost.model_for("cpu")
@@ -70,28 +81,14 @@ def _calibrate_job(cache_dir: str) -> dict[str, Any]:
             "loaded_plan": loaded_plan,
             "text": str(result),
         }
-    finally:
-        if previous is None:
-            os.environ.pop("SBPFLOW_CACHE_DIR", None)
-        else:
-            os.environ["SBPFLOW_CACHE_DIR"] = previous
-        cost.reset()
 
 
 def _calibrate_without_saving_job(cache_dir: str) -> tuple[bool, list[str]]:
-    previous = os.environ.get("SBPFLOW_CACHE_DIR")
-    os.environ["SBPFLOW_CACHE_DIR"] = cache_dir
-    try:
+    with _cache_dir(cache_dir):
         result = sbpflow.boxing.calibrate(sizes=(4096,), repeats=1, save=False)
         return result.path is None, sorted(os.listdir(cache_dir)) if os.path.isdir(
             cache_dir
         ) else []
-    finally:
-        if previous is None:
-            os.environ.pop("SBPFLOW_CACHE_DIR", None)
-        else:
-            os.environ["SBPFLOW_CACHE_DIR"] = previous
-        cost.reset()
 
 
 def _bad_placement_job() -> str:
