@@ -45,20 +45,20 @@ def wait(address: int, expected: int, timeout_s: float) -> None:
 
     Returns at once if the word already differs; may also return spuriously.
     """
-    assert _syscall is not None and _SYSCALL_NUMBER is not None
     seconds = max(timeout_s, 0.0)
     timeout = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
-    # Every argument has its C width spelled out: syscall() is variadic and reads longs.
-    _syscall(
-        ctypes.c_long(_SYSCALL_NUMBER), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAIT),
-        ctypes.c_long(expected), ctypes.byref(timeout), ctypes.c_void_p(None), ctypes.c_long(0),
-    )  # fmt: skip
+    _futex(address, _FUTEX_WAIT, expected, ctypes.byref(timeout))
 
 
 def wake_all(address: int) -> None:
     """Wake every process sleeping on the int32 at ``address``."""
+    _futex(address, _FUTEX_WAKE, _WAKE_ALL, ctypes.c_void_p(None))
+
+
+def _futex(address: int, op: int, value: int, timeout: object) -> None:
     assert _syscall is not None and _SYSCALL_NUMBER is not None
+    # Every argument has its C width spelled out: syscall() is variadic and reads longs.
     _syscall(
-        ctypes.c_long(_SYSCALL_NUMBER), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAKE),
-        ctypes.c_long(_WAKE_ALL), ctypes.c_void_p(None), ctypes.c_void_p(None), ctypes.c_long(0),
+        ctypes.c_long(_SYSCALL_NUMBER), ctypes.c_void_p(address), ctypes.c_long(op),
+        ctypes.c_long(value), timeout, ctypes.c_void_p(None), ctypes.c_long(0),
     )  # fmt: skip
