@@ -44,7 +44,7 @@ class RankMeta:
     sbp: str
     in_placement: bool
 
-    def encode(self) -> tuple[int, ...]:
+    def encode(self) -> list[int]:
         header = [
             1 if self.error else 0,
             _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99,
@@ -54,14 +54,14 @@ class RankMeta:
             1 if self.in_placement else 0,
         ]
         dims = list(self.shape[:MAX_DIMS])
-        return (*header, *[0] * (_HEADER - len(header)), *dims, *[0] * (MAX_DIMS - len(dims)))
+        return header + [0] * (_HEADER - len(header)) + dims + [0] * (MAX_DIMS - len(dims))
 
     @functools.cached_property
-    def _encoded(self) -> tuple[int, ...]:
+    def _encoded(self) -> list[int]:
         return self.encode()
 
-    def encoded(self) -> tuple[int, ...]:
-        """``encode()``, computed once per ``RankMeta``."""
+    def encoded(self) -> list[int]:
+        """``encode()``, computed once per ``RankMeta`` (never modified by the exchange)."""
         return self._encoded
 
 
@@ -100,7 +100,7 @@ def agree(mine: RankMeta, what: str) -> None:
     The encoded vector is cached on ``mine``; the check is one small collective
     and one comparison, and only a mismatch pays for readable messages.
     """
-    vector = list(mine.encoded())
+    vector = mine.encoded()
     if any(row != vector for row in collectives.all_gather_meta(vector)):
         _raise_everywhere(mine, what, compare_shapes=True)
 
