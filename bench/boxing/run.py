@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 import sbpflow  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._layout import Layout  # noqa: E402
-from sbpflow.comm import _shared_table  # noqa: E402
+from sbpflow.comm import _shared_memory  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
 
@@ -366,7 +366,7 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
     )
     meta_transport = (
         "one host, so through the shared-memory table of NOTE [shared-memory meta check]"
-        if _shared_table.enabled_by_environment()
+        if _shared_memory.enabled_by_environment()
         else "over gloo: SBPFLOW_SHARED_MEMORY=0"
     )
     return "\n".join(

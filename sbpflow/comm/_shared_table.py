@@ -17,44 +17,20 @@
 # published k+1, that is, after every rank has finished reading call k, so
 # nobody overwrites a slot that is still being read.
 #
-# Waiting spins (yielding the CPU) for a short while, then sleeps on a futex:
-# one 32-bit word of the table, which every rank overwrites with a token of
-# its own (unique per call and rank) after publishing, and then wakes all
-# sleepers. A rank reads the word before it looks at the slots and sleeps only
-# while the word still holds what it read, so a publication between the look
-# and the sleep is never missed (sleeps last at most 0.1 s, which also bounds
-# the cost of a wake-up lost to a CPU that reorders more than x86 does).
-# Without futexes it polls with short sleeps. Waiting is bounded like a
-# collective: past the collective timeout it raises, and a peer process that
-# exited is noticed within about a tenth of a second. The table is set up once, at the first
-# check, by gloo collectives over the world; any rank that cannot map it (no
-# /dev/shm, another host, a container with its own /dev/shm) makes every rank
-# keep the gloo path. ``SBPFLOW_SHARED_MEMORY=0`` turns the table off.
+# Waiting, the setup at the first check and ``SBPFLOW_SHARED_MEMORY=0`` are
+# those of every shared-memory transport (``_shared_memory``).
 """
 
 from __future__ import annotations
 
 import array
-import ctypes
 import mmap
-import os
-import socket
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _futex
-
-_DIRECTORY = "/dev/shm"
-# 64 yielding spins last about 0.1 ms (measured, 2-core x86 machine): a peer that is
-# already running arrives within them; 2000 measured no better (and starve peers
-# when ranks outnumber cores).
-_SPINS = 64
-_MAX_SLEEP_S = 2.5e-4  # polling step where futexes are not available
-_LIVENESS_EVERY_S = 0.1  # also the longest futex sleep: how fast a dead peer is seen
+from . import _shared_memory
 
 
 class SharedTable:
@@ -66,16 +42,12 @@ class SharedTable:
         self._rank = rank
         self._world = world
         self._width = width
-        self._pids = list(pids)
         self._seq = 0
         self._broken: str | None = None
-        self._words = memoryview(buffer).cast("i")
-        self._wake_cell = self._probe_base() + world  # its first 4 bytes are the futex word
-        self._wake_address = 0
-        self._anchor: ctypes.c_char | None = None
-        if _futex.AVAILABLE:
-            self._anchor = ctypes.c_char.from_buffer(buffer, 8 * self._wake_cell)
-            self._wake_address = ctypes.addressof(self._anchor)
+        wake_cell = self._probe_base() + world  # its first 4 bytes are the futex word
+        self._waiter = _shared_memory.Waiter(
+            buffer, 8 * wake_cell, range(world), pids, "the shared-memory table"
+        )
 
     @property
     def _slot_size(self) -> int:
@@ -115,111 +87,46 @@ class SharedTable:
         cells[mine + 1 : mine + 1 + self._width] = array.array("q", values)
         cells[mine + self._width + 1] = hash((seq, *values))
         cells[mine] = seq
-        if self._wake_address:
-            self._words[2 * self._wake_cell] = (seq * self._world + self._rank) % 2**31
-            _futex.wake_all(self._wake_address)
+        self._waiter.announce(seq * self._world + self._rank)
+        rows: list[list[int] | None] = [None] * self._world
         try:
-            return self._wait_for_all(seq, timeout_s)
+            self._waiter.wait(lambda: self._take_rows(seq, rows), timeout_s)
         except RuntimeError as error:
             self._broken = str(error)
             raise
+        return rows  # type: ignore[return-value]
 
-    def _wait_for_all(self, seq: int, timeout_s: float) -> list[list[int]]:
-        rows: list[list[int] | None] = [None] * self._world
+    def _take_rows(self, seq: int, rows: list[list[int] | None]) -> list[int]:
+        """Fill in the rows published for call ``seq``; return the ranks still missing."""
         cells, width = self._cells, self._width
-        spins = 0
-        start = time.monotonic()
-        next_liveness = start + _LIVENESS_EVERY_S
-        while True:
-            token = self._words[2 * self._wake_cell]
-            missing = []
-            for rank in range(self._world):
-                if rows[rank] is not None:
-                    continue
-                base = self._slot(rank, seq)
-                if cells[base] == seq:
-                    row = cells[base + 1 : base + 1 + width].tolist()
-                    if cells[base + width + 1] == hash((seq, *row)):
-                        rows[rank] = row
-                        continue
-                missing.append(rank)
-            if not missing:
-                return rows  # type: ignore[return-value]
-            spins += 1
-            if spins <= _SPINS:
-                os.sched_yield()
+        missing = []
+        for rank in range(self._world):
+            if rows[rank] is not None:
                 continue
-            if self._wake_address:
-                _futex.wait(self._wake_address, token, _LIVENESS_EVERY_S)
-            else:
-                time.sleep(min(_MAX_SLEEP_S, 1e-5 * (spins - _SPINS)))
-            now = time.monotonic()
-            if now - start > timeout_s:
-                raise RuntimeError(
-                    f"timed out after {timeout_s:.0f} s in the shared-memory table: ranks "
-                    f"{missing} never arrived"
-                )
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_EVERY_S
-                self._raise_if_exited(missing)
-
-    def _raise_if_exited(self, missing: Sequence[int]) -> None:
-        for rank in missing:
-            if not _is_alive(self._pids[rank]):
-                raise RuntimeError(
-                    f"rank {rank} (pid {self._pids[rank]}) exited while the others waited for it"
-                )
+            base = self._slot(rank, seq)
+            if cells[base] == seq:
+                row = cells[base + 1 : base + 1 + width].tolist()
+                if cells[base + width + 1] == hash((seq, *row)):
+                    rows[rank] = row
+                    continue
+            missing.append(rank)
+        return missing
 
     def close(self) -> None:
-        self._anchor = None
+        self._waiter.close()
         self._cells.release()
-        self._words.release()
         self._buffer.close()
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:  # an exited process its parent has not reaped yet is a zombie ("Z")
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def map_table(path: str, rank: int, world: int, width: int, pids: Sequence[int]) -> SharedTable:
     """Map the table file at ``path`` (made by ``create_file``) as ``rank``'s view."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        buffer = mmap.mmap(fd, SharedTable.size_in_bytes(world, width))
-    finally:
-        os.close(fd)
+    buffer = _shared_memory.map_file(path, SharedTable.size_in_bytes(world, width))
     return SharedTable(buffer, rank, world, width, pids)
 
 
 def create_file(path: str, world: int, width: int) -> None:
     """A new zero-filled table file, readable and writable by this user only."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, SharedTable.size_in_bytes(world, width))
-    finally:
-        os.close(fd)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def enabled_by_environment() -> bool:
-    return os.environ.get("SBPFLOW_SHARED_MEMORY", "1").strip().lower() not in ("0", "false", "no")
+    _shared_memory.create_file(path, SharedTable.size_in_bytes(world, width))
 
 
 def open_for_world(
@@ -229,37 +136,13 @@ def open_for_world(
 ) -> SharedTable | None:
     """Map one table shared by every rank of ``group`` (the world), or ``None`` everywhere.
 
-    A collective over the world: every rank calls it at the same point, and
-    every rank reaches the same verdict. ``gather_objects(obj, group)`` is the
-    all_gather of picklable objects it talks through.
+    A collective over the world (``_shared_memory.open_for_group``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    usable = os.path.isdir(_DIRECTORY) and enabled_by_environment()
-    path = ""
-    if rank == 0 and usable:
-        path = os.path.join(_DIRECTORY, f"sbpflow-meta-{uuid.uuid4().hex}")
-        try:
-            create_file(path, world, width)
-        except OSError:
-            path = ""
-    # Rank 0 made the file before the first gather, which hands its path to everyone.
-    here = (socket.gethostname(), _boot_id(), usable, os.getpid(), path)
-    hosts: list[tuple[str, str, bool, int, str]] = gather_objects(here, group)
-    shared_path = hosts[0][4]
-    table = None
-    if shared_path and all(h[:3] == hosts[0][:3] for h in hosts):
-        try:
-            table = map_table(shared_path, rank, world, width, [h[3] for h in hosts])
-            table.write_probe()
-        except OSError:
-            table = None
-    dist.barrier(group=group)
-    ok = table is not None and table.probe_sees_everyone()
-    verdicts: list[bool] = gather_objects(ok, group)
-    if path:
-        os.unlink(path)  # every rank has mapped it (or given up): nothing is left behind
-    if all(verdicts):
-        return table
-    if table is not None:
-        table.close()
-    return None
+    return _shared_memory.open_for_group(
+        group,
+        "meta",
+        SharedTable.size_in_bytes(world, width),
+        lambda path, pids: map_table(path, rank, world, width, pids),
+        gather_objects,
+    )

@@ -10,13 +10,14 @@ as ``CollectiveError`` naming the operation and the ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _shared_table
+from . import _shared_arena, _shared_table
 from ._groups import world_group
 from ._world import timeout_seconds
 
@@ -72,8 +73,7 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
-    with _named("all_gather", ranks):
-        _all_gather_single(out, piece, group=handle)
+    _gather_into(out, piece, group)
     slot = _group_slots(ranks)
     if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
@@ -90,12 +90,10 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
 
 
 def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    ranks, handle = group
-    num = len(ranks)
+    num = len(group[0])
     piece = local.contiguous()
     out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
-    with _named("all_gather", ranks):
-        _all_gather_single(out.view(-1), piece.view(-1), group=handle)
+    _gather_into(out, piece, group)
     shape = list(piece.shape)
     shape[dim] *= num
     return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
@@ -104,15 +102,12 @@ def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tens
 def _reduce_scatter_inner(
     block: torch.Tensor, dim: int, group: Group, reduce_op: str
 ) -> torch.Tensor:
-    ranks, handle = group
-    num = len(ranks)
+    num = len(group[0])
     shape = list(block.shape)
     shape[dim : dim + 1] = [num, shape[dim] // num]
     src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
     out = src.new_empty(src.shape[1:])
-    op = _REDUCE_OPS[reduce_op]
-    with _named("reduce_scatter", ranks):
-        _reduce_scatter_single(out.view(-1), src.view(-1), op=op, group=handle)
+    _reduce_scatter_into(out, src, group, reduce_op)
     return out
 
 
@@ -136,7 +131,11 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
     with _named("all_reduce", ranks):
-        dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=handle)
+        arena = _arena_for(group, out, out.numel() * out.element_size())
+        if arena is not None:
+            arena.all_reduce(out, reduce_op, timeout_seconds())
+        else:
+            dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=handle)
     return out
 
 
@@ -160,8 +159,7 @@ def reduce_scatter(
         members = order or range(len(ranks))
         src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
-    with _named("reduce_scatter", ranks):
-        _reduce_scatter_single(out, src, op=_REDUCE_OPS[reduce_op], group=handle)
+    _reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -196,10 +194,16 @@ def all_to_all(
         recv_shapes.append(shape)
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = local.new_empty(sum(recv_numels))
+    send_numels = [c.numel() for c in send_chunks]
+    # the largest piece any member sends: the same on every member, unlike send_numels
+    rest = math.prod(n for d, n in enumerate(local.shape) if d not in (src_dim, dst_dim))
+    largest = rest * max(src_sizes) * (max(dst_sizes) if src_dim != dst_dim else 1)
     with _named("all_to_all", ranks):
-        dist.all_to_all_single(
-            recv, send, recv_numels, [c.numel() for c in send_chunks], group=handle
-        )
+        arena = _arena_for(group, local, len(ranks) * _round_up(largest * local.element_size()))
+        if arena is not None:
+            arena.all_to_all(recv, send, recv_numels, send_numels, timeout_seconds())
+        else:
+            dist.all_to_all_single(recv, send, recv_numels, send_numels, group=handle)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
@@ -220,6 +224,66 @@ def _pack(chunks: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         send[offset : offset + c.numel()].view(c.shape).copy_(c)
         offset += c.numel()
     return send
+
+
+# NOTE [collective transports]
+# On the CPU, a group whose members share one host moves data through a
+# shared-memory arena (NOTE [shared-memory collectives]); every other group,
+# and CUDA tensors, go through the process group (gloo, NCCL). The arena of a
+# group is set up at the group's first collective, by a collective over the
+# group, and regrown (up to ``_shared_arena.MAX_SLOT_BYTES`` per slot) when a
+# collective needs more: what it needs is computed from sizes every member
+# knows, so the members agree on when to regrow without talking.
+
+_arenas: dict[tuple[int, ...], _shared_arena.SharedArena | None] = {}
+
+
+def _arena_for(group: Group, like: torch.Tensor, need: int) -> _shared_arena.SharedArena | None:
+    """The group's arena, grown to hold ``need`` bytes per member; ``None``: use the group."""
+    ranks, handle = group
+    if like.device.type != "cpu" or not _shared_arena.SUPPORTED or handle is None:
+        return None
+    key = tuple(sorted(ranks))
+    arena = _arenas.get(key, ...)
+    if arena is None:
+        return None
+    slot_bytes = _shared_arena.slot_bytes_for(need)
+    if arena is ... or arena.slot_bytes < slot_bytes:
+        grown = _shared_arena.open_for_group(handle, key, slot_bytes, gather_objects)
+        if arena is not ...:
+            arena.close()
+        _arenas[key] = arena = grown
+    return arena
+
+
+def _round_up(size: int) -> int:
+    return -(-size // 64) * 64
+
+
+def _gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
+    """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
+    ranks, handle = group
+    with _named("all_gather", ranks):
+        arena = _arena_for(group, piece, piece.numel() * piece.element_size())
+        if arena is not None:
+            arena.all_gather(out, piece, timeout_seconds())
+        else:
+            _all_gather_single(out.view(-1), piece.view(-1), group=handle)
+
+
+def _reduce_scatter_into(
+    out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
+) -> None:
+    """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
+    ranks, handle = group
+    with _named("reduce_scatter", ranks):
+        need = len(ranks) * _round_up(out.numel() * out.element_size())
+        arena = _arena_for(group, block, need)
+        if arena is not None:
+            arena.reduce_scatter(out, block, reduce_op, timeout_seconds())
+        else:
+            op = _REDUCE_OPS[reduce_op]
+            _reduce_scatter_single(out.view(-1), block.view(-1), op=op, group=handle)
 
 
 def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor:

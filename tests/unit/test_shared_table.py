@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.comm import _futex, _shared_table
+from sbpflow.comm import _futex, _shared_memory, _shared_table
 from sbpflow.comm._shared_table import SharedTable
 
 WIDTH = 5
@@ -91,11 +91,11 @@ def test_a_peer_process_that_exited_is_noticed_before_the_timeout(tmp_path: Path
 def test_an_unreaped_exited_peer_counts_as_exited(tmp_path: Path) -> None:
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
-    while _shared_table._is_alive(zombie.pid) and time.monotonic() < deadline:
+    while _shared_memory.is_alive(zombie.pid) and time.monotonic() < deadline:
         time.sleep(0.01)  # exits, and stays a zombie until wait() below
     try:
-        assert not _shared_table._is_alive(zombie.pid)
-        assert _shared_table._is_alive(os.getpid())
+        assert not _shared_memory.is_alive(zombie.pid)
+        assert _shared_memory.is_alive(os.getpid())
     finally:
         zombie.wait()
 
@@ -117,11 +117,11 @@ def test_the_probe_sees_only_ranks_that_wrote(tmp_path: Path) -> None:
 
 def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SBPFLOW_SHARED_MEMORY", "0")
-    assert not _shared_table.enabled_by_environment()
+    assert not _shared_memory.enabled_by_environment()
     monkeypatch.setenv("SBPFLOW_SHARED_MEMORY", "1")
-    assert _shared_table.enabled_by_environment()
+    assert _shared_memory.enabled_by_environment()
     monkeypatch.delenv("SBPFLOW_SHARED_MEMORY")
-    assert _shared_table.enabled_by_environment()
+    assert _shared_memory.enabled_by_environment()
 
 
 needs_futex = pytest.mark.skipif(not _futex.AVAILABLE, reason="needs the Linux futex call")
@@ -160,7 +160,7 @@ def test_futex_wake_all_wakes_a_sleeper_at_once() -> None:
 def test_without_futexes_the_table_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_futex, "AVAILABLE", False)
     tables = _tables(tmp_path, 2)
-    assert all(t._wake_address == 0 for t in tables)
+    assert all(t._waiter._address == 0 for t in tables)
     results = _in_threads(
         2, lambda rank: [tables[rank].gather([rank] * WIDTH, 30) for _ in range(20)]
     )
