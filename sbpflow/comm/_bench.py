@@ -14,15 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _transport
+from ._errors import named
 from ._groups import group_of, world_group
 from ._world import device_for, ensure_initialized
-from .collectives import _named
 
 TIMED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-# torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def time_collective(
@@ -62,21 +59,28 @@ def time_collective(
     piece = block[: numel // num].clone()
     fence = torch.zeros(1, device=device)
 
+    splits = [
+        piece.numel() // num
+    ] * num  # all_to_all: the piece cut in ``num``, as even as it gets
+    splits[-1] += piece.numel() - sum(splits)
+
     # Out of place, as boxing runs them: every run writes a fresh buffer, so
-    # first-touch page faults of large outputs are part of the time.
+    # first-touch page faults of large outputs are part of the time. Through
+    # the transport boxing uses (NOTE [collective transports]).
     def run() -> None:
         if op == "all_reduce":
-            dist.all_reduce(block.clone(), group=handle)
+            _transport.all_reduce_in_place(block.clone(), found, "sum")
         elif op == "all_gather":
-            _all_gather_single(torch.empty_like(block), piece, group=handle)
+            _transport.all_gather_into(torch.empty_like(block), piece, found)
         elif op == "reduce_scatter":
-            _reduce_scatter_single(torch.empty_like(piece), block, group=handle)
+            _transport.reduce_scatter_into(torch.empty_like(piece), block, found, "sum")
         else:
-            dist.all_to_all_single(torch.empty_like(piece), piece, group=handle)
+            recv = torch.empty_like(piece)
+            _transport.all_to_all_into(recv, piece, splits, splits, max(splits), found)
 
     best = float("inf")
     elapsed = torch.zeros(1, dtype=torch.float64, device=device)
-    with _named(f"calibration ({op})", ranks):
+    with named(f"calibration ({op})", ranks):
         for i in range(warmup + repeats):
             dist.all_reduce(fence, group=handle)  # start together
             _sync(device)
@@ -103,7 +107,7 @@ def broadcast_from_first(values: Sequence[float], device_type: str = "cpu") -> l
     if handle is None:
         return list(values)
     buffer = torch.tensor(list(values), dtype=torch.float64, device=device_for(device_type))
-    with _named("calibration (broadcast)", range(dist.get_world_size())):
+    with named("calibration (broadcast)", range(dist.get_world_size())):
         dist.broadcast(buffer, src=0, group=handle)
     return [float(v) for v in buffer.tolist()]
 
@@ -119,7 +123,7 @@ def _reduce_floats(values: Sequence[float], device_type: str, op: Any) -> list[f
     if handle is None:
         return list(values)
     buffer = torch.tensor(list(values), dtype=torch.float64, device=device_for(device_type))
-    with _named("calibration (all_reduce)", range(dist.get_world_size())):
+    with named("calibration (all_reduce)", range(dist.get_world_size())):
         dist.all_reduce(buffer, op=op, group=handle)
     return [float(v) for v in buffer.tolist()]
 

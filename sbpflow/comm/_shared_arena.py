@@ -99,6 +99,7 @@ class SharedArena:
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._member = member
         self._members = len(ranks)
+        self._ranks = list(ranks)
         self.slot_bytes = slot_bytes
         self._waiter = _shared_memory.Waiter(
             buffer, 0, ranks, pids, f"the shared-memory arena of ranks {list(ranks)}"
@@ -189,9 +190,10 @@ class SharedArena:
         for member, row in enumerate(rows):
             if row[:3] != mine[:3]:
                 raise RuntimeError(
-                    f"the ranks run different collectives: this rank a {op} with signature "
-                    f"{mine[:3]}, member {member} one with {row[:3]} (op, bytes, dtype/reduction). "
-                    "Every rank of a group must make the same collective calls in the same order."
+                    f"the ranks run different collectives on this group: this rank (rank "
+                    f"{self._ranks[self._member]}) {_describe(mine)}, rank {self._ranks[member]} "
+                    f"{_describe(row)}. Every rank of a group must make the same collective calls "
+                    "in the same order."
                 )
         return max(row[3] for row in rows)
 
@@ -292,14 +294,17 @@ class SharedArena:
             slot = self._slot(parity, me)
             for k, (offset, length) in enumerate(sends):
                 n = min(stop, length) - start
-                if n > 0:
+                if n > 0 and k != me:  # its own piece a member copies straight across
                     slot[k * width : k * width + n].copy_(src[offset + start : offset + start + n])
 
         def read(parity: int, start: int, stop: int) -> None:
             for j, (offset, length) in enumerate(recvs):
                 n = min(stop, length) - start
                 if n > 0:
-                    source = self._slot(parity, j)[me * width : me * width + n]
+                    if j == me:
+                        source = src[sends[me][0] + start : sends[me][0] + start + n]
+                    else:
+                        source = self._slot(parity, j)[me * width : me * width + n]
                     dst[offset + start : offset + start + n].copy_(source)
 
         extent = max((length for _, length in sends), default=0)
@@ -348,6 +353,20 @@ _DTYPES = (
 )  # fmt: skip
 
 
+def _describe(signature: Sequence[int]) -> str:
+    op_code, size, type_code = signature[:3]
+    op = next((name for name, code in _OPS.items() if code == op_code), f"op #{op_code}")
+    if op == "all_to_all":
+        return f"runs all_to_all of {size}-byte items"
+    text = f"runs {op} of {size} bytes" + (" per rank" if op != "all_reduce" else "")
+    if type_code:
+        dtype_index, reduce_code = divmod(type_code, 4)
+        dtype = _DTYPES[dtype_index - 1] if dtype_index <= len(_DTYPES) else "another dtype"
+        reduce_op = next(name for name, code in _REDUCE_CODES.items() if code == reduce_code)
+        text += f" ({dtype}, {reduce_op})"
+    return text
+
+
 def _type_code(dtype: torch.dtype, reduce_op: str) -> int:
     code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else len(_DTYPES) + 1
     return code * 4 + _REDUCE_CODES[reduce_op]
@@ -371,7 +390,7 @@ def open_for_group(
     A collective over the group, with the same verdict on every member
     (``_shared_memory.open_for_group``).
     """
-    if not SUPPORTED or len(ranks) > _MAX_MEMBERS:
+    if len(ranks) > _MAX_MEMBERS:
         return None
     member = dist.get_rank(handle)
     return _shared_memory.open_for_group(
@@ -380,4 +399,5 @@ def open_for_group(
         size_in_bytes(len(ranks), slot_bytes),
         lambda path, pids: map_arena(path, member, ranks, pids, slot_bytes),
         gather_objects,
+        supported=SUPPORTED,  # a member elsewhere may be of another architecture
     )

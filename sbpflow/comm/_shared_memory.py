@@ -194,6 +194,8 @@ def open_for_group(
     size: int,
     make: Callable[[str, list[int]], Mapped],
     gather_objects: Callable[[Any, dist.ProcessGroup], list[Any]],
+    *,
+    supported: bool = True,
 ) -> Mapped | None:
     """Map one shared file for every member of ``handle``'s group, or ``None`` everywhere.
 
@@ -201,10 +203,11 @@ def open_for_group(
     every member reaches the same verdict. ``make(path, pids)`` maps the file
     of ``size`` bytes as this member's view (``pids`` in group order);
     ``gather_objects(obj, handle)`` is the all_gather of picklable objects it
-    talks through.
+    talks through. A member passing ``supported=False`` (the transport does not
+    work on its platform) makes every member get ``None``.
     """
     member = dist.get_rank(handle)
-    usable = os.path.isdir(DIRECTORY) and enabled_by_environment()
+    usable = supported and os.path.isdir(DIRECTORY) and enabled_by_environment()
     path = ""
     if member == 0 and usable:
         path = os.path.join(DIRECTORY, f"sbpflow-{kind}-{uuid.uuid4().hex}")

@@ -9,49 +9,38 @@ as ``CollectiveError`` naming the operation and the ranks.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _shared_arena, _shared_table
+from . import _shared_table
+from ._errors import CollectiveError, named
 from ._groups import world_group
+from ._transport import (
+    Group,
+    all_gather_into,
+    all_reduce_in_place,
+    all_to_all_into,
+    gather_objects,
+    reduce_scatter_into,
+)
 from ._world import timeout_seconds
 
-Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
-
-# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the operation and ranks."""
-
-
-@contextlib.contextmanager
-def _named(op: str, ranks: Sequence[int]) -> Iterator[None]:
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except (RuntimeError, ValueError) as error:  # DistBackendError subclasses RuntimeError
-        text = str(error)
-        hint = ""
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            hint = (
-                f" It timed out after the collective timeout ({timeout_seconds():.0f} s): a rank "
-                "probably stopped early, raised, or took a different code path. Set "
-                "SBPFLOW_TIMEOUT to change the limit."
-            )
-        raise CollectiveError(
-            f"sbpflow: {op} over ranks {list(ranks)} failed.{hint} Backend said: {text}"
-        ) from error
+__all__ = [
+    "CollectiveError",
+    "Group",
+    "all_gather",
+    "all_gather_meta",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "exchange",
+    "gather_objects",
+    "reduce_scatter",
+]
 
 
 def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -73,7 +62,7 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
-    _gather_into(out, piece, group)
+    all_gather_into(out, piece, group)
     slot = _group_slots(ranks)
     if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
@@ -93,7 +82,7 @@ def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tens
     num = len(group[0])
     piece = local.contiguous()
     out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
-    _gather_into(out, piece, group)
+    all_gather_into(out, piece, group)
     shape = list(piece.shape)
     shape[dim] *= num
     return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
@@ -107,7 +96,7 @@ def _reduce_scatter_inner(
     shape[dim : dim + 1] = [num, shape[dim] // num]
     src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
     out = src.new_empty(src.shape[1:])
-    _reduce_scatter_into(out, src, group, reduce_op)
+    reduce_scatter_into(out, src, group, reduce_op)
     return out
 
 
@@ -123,19 +112,13 @@ def _merge_leading(out: torch.Tensor, num: int, dim: int) -> torch.Tensor:
 
 
 def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool) -> torch.Tensor:
-    ranks, handle = group
-    if handle is None:
+    if group[1] is None:
         return local
     if inplace and local.is_contiguous():
         out = local
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
-    with _named("all_reduce", ranks):
-        arena = _arena_for(group, out, out.numel() * out.element_size())
-        if arena is not None:
-            arena.all_reduce(out, reduce_op, timeout_seconds())
-        else:
-            dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=handle)
+    all_reduce_in_place(out, group, reduce_op)
     return out
 
 
@@ -159,7 +142,7 @@ def reduce_scatter(
         members = order or range(len(ranks))
         src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
-    _reduce_scatter_into(out, src, group, reduce_op)
+    reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -198,12 +181,7 @@ def all_to_all(
     # the largest piece any member sends: the same on every member, unlike send_numels
     rest = math.prod(n for d, n in enumerate(local.shape) if d not in (src_dim, dst_dim))
     largest = rest * max(src_sizes) * (max(dst_sizes) if src_dim != dst_dim else 1)
-    with _named("all_to_all", ranks):
-        arena = _arena_for(group, local, len(ranks) * _round_up(largest * local.element_size()))
-        if arena is not None:
-            arena.all_to_all(recv, send, recv_numels, send_numels, timeout_seconds())
-        else:
-            dist.all_to_all_single(recv, send, recv_numels, send_numels, group=handle)
+    all_to_all_into(recv, send, recv_numels, send_numels, largest, group)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
@@ -226,72 +204,12 @@ def _pack(chunks: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return send
 
 
-# NOTE [collective transports]
-# On the CPU, a group whose members share one host moves data through a
-# shared-memory arena (NOTE [shared-memory collectives]); every other group,
-# and CUDA tensors, go through the process group (gloo, NCCL). The arena of a
-# group is set up at the group's first collective, by a collective over the
-# group, and regrown (up to ``_shared_arena.MAX_SLOT_BYTES`` per slot) when a
-# collective needs more: what it needs is computed from sizes every member
-# knows, so the members agree on when to regrow without talking.
-
-_arenas: dict[tuple[int, ...], _shared_arena.SharedArena | None] = {}
-
-
-def _arena_for(group: Group, like: torch.Tensor, need: int) -> _shared_arena.SharedArena | None:
-    """The group's arena, grown to hold ``need`` bytes per member; ``None``: use the group."""
-    ranks, handle = group
-    if like.device.type != "cpu" or not _shared_arena.SUPPORTED or handle is None:
-        return None
-    key = tuple(sorted(ranks))
-    arena = _arenas.get(key, ...)
-    if arena is None:
-        return None
-    slot_bytes = _shared_arena.slot_bytes_for(need)
-    if arena is ... or arena.slot_bytes < slot_bytes:
-        grown = _shared_arena.open_for_group(handle, key, slot_bytes, gather_objects)
-        if arena is not ...:
-            arena.close()
-        _arenas[key] = arena = grown
-    return arena
-
-
-def _round_up(size: int) -> int:
-    return -(-size // 64) * 64
-
-
-def _gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
-    """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
-    ranks, handle = group
-    with _named("all_gather", ranks):
-        arena = _arena_for(group, piece, piece.numel() * piece.element_size())
-        if arena is not None:
-            arena.all_gather(out, piece, timeout_seconds())
-        else:
-            _all_gather_single(out.view(-1), piece.view(-1), group=handle)
-
-
-def _reduce_scatter_into(
-    out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
-) -> None:
-    """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
-    ranks, handle = group
-    with _named("reduce_scatter", ranks):
-        need = len(ranks) * _round_up(out.numel() * out.element_size())
-        arena = _arena_for(group, block, need)
-        if arena is not None:
-            arena.reduce_scatter(out, block, reduce_op, timeout_seconds())
-        else:
-            op = _REDUCE_OPS[reduce_op]
-            _reduce_scatter_single(out.view(-1), block.view(-1), op=op, group=handle)
-
-
 def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor:
     """Overwrite ``buffer`` on every member with ``src_rank``'s (in place)."""
     ranks, handle = group
     if handle is None:
         return buffer
-    with _named("broadcast", ranks):
+    with named("broadcast", ranks):
         dist.broadcast(buffer, src=src_rank, group=handle)
     return buffer
 
@@ -308,7 +226,7 @@ def exchange(
         return
     peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
     world_group(device_type)  # make sure the world exists for this backend
-    with _named("send_recv", peers):
+    with named("send_recv", peers):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
@@ -323,7 +241,7 @@ def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
     if handle is None:
         return [list(values)]
     world = dist.get_world_size()
-    with _named("metadata check (all_gather)", range(world)):
+    with named("metadata check (all_gather)", range(world)):
         width = len(values)
         if width not in _shared_tables:
             _shared_tables[width] = _shared_table.open_for_world(handle, width, gather_objects)
@@ -374,26 +292,5 @@ def all_gather_object(obj: object) -> list:
     handle = world_group("cpu")
     if handle is None:
         return [obj]
-    with _named("metadata check (all_gather_object)", range(dist.get_world_size())):
+    with named("metadata check (all_gather_object)", range(dist.get_world_size())):
         return gather_objects(obj, handle)
-
-
-def gather_objects(obj: object, handle: dist.ProcessGroup) -> list:
-    """``torch.distributed.all_gather_object`` without numpy (not a dependency; torch's needs it).
-
-    Two fixed-shape all_gathers over ``handle``: the pickled sizes, then the
-    pickles padded to the longest.
-    """
-    world = dist.get_world_size(handle)
-    payload = pickle.dumps(obj)
-    mine = torch.zeros(1, dtype=torch.int64)
-    mine[0] = len(payload)
-    sizes = mine.new_empty(world)
-    _all_gather_single(sizes, mine, group=handle)
-    lengths = sizes.tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    if payload:
-        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    rows = padded.new_empty((world, padded.numel()))
-    _all_gather_single(rows.view(-1), padded, group=handle)
-    return [pickle.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(lengths)]

@@ -125,7 +125,8 @@ def test_members_running_different_collectives_all_raise(tmp_path: Path) -> None
     for m, error in enumerate(_in_threads(2, job)):
         assert isinstance(error, RuntimeError), (m, error)
         assert "the ranks run different collectives" in str(error)
-        assert "all_gather" in str(error) or "all_reduce" in str(error)
+        assert "runs all_gather of 16 bytes per rank" in str(error), error
+        assert "runs all_reduce of 16 bytes (torch.float32, sum)" in str(error), error
     with pytest.raises(RuntimeError, match="out of step; restart the job"):
         arenas[0].all_reduce(torch.ones(4), "sum", timeout_s=1)
 
