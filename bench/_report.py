@@ -27,6 +27,4 @@ def write_section(path: Path, text: str, start: str, end: str) -> None:
 def machine() -> str:
     """The machine line every benchmark table names."""
     cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
-    return (
-        f"{cpu}, gloo over loopback, torch {torch.__version__}, Python {platform.python_version()}"
-    )
+    return f"{cpu}, one host, torch {torch.__version__}, Python {platform.python_version()}"

@@ -1,4 +1,4 @@
-"""How close calibrated plan costs come to measured boxing time, for 64 MiB tensors on gloo.
+"""How close calibrated plan costs come to measured boxing time, for 64 MiB CPU tensors.
 
     python bench/planner/calibration_check.py            # starts 4 ranks itself
     python -m sbpflow.distributed.launch --nproc_per_node 4 bench/planner/calibration_check.py
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
     if rank == 0:
         mib = side * side * 4 / 2**20
         print(
-            f"\n{mib:.0f} MiB float32 tensor {list(shape)} on {world} gloo ranks "
+            f"\n{mib:.0f} MiB float32 tensor {list(shape)} on {world} CPU ranks "
             f"({os.cpu_count()} CPU cores), fastest of {args.repeats} runs"
         )
         print("| layout change | plan | estimated | measured | measured / estimated |")

@@ -102,3 +102,36 @@ def test_ranks_making_different_calls_all_raise() -> None:
     )
     for error in outcomes:
         assert "all_reduce over ranks [0, 1] failed" in str(error), error
+
+
+def _arena_in_use_under(context: str) -> bool:
+    """Whether a P -> B used the arena, inside ``process_group_only()`` or not."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    rank = sbpflow.env.get_rank()
+    partial = torch.full((4, 3), float(rank + 1)).to_global(placement, partial_sum)
+    partial.to_global(sbp=broadcast)  # the group's arena exists from here on
+    used = []
+    original = _shared_arena.SharedArena.all_reduce
+
+    def spy(self: _shared_arena.SharedArena, *args: object, **kwargs: object) -> None:
+        used.append(True)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    _shared_arena.SharedArena.all_reduce = spy  # type: ignore[method-assign]
+    try:
+        if context == "process group only":
+            with _transport.process_group_only():
+                out = partial.to_global(sbp=broadcast)
+        else:
+            out = partial.to_global(sbp=broadcast)
+    finally:
+        _shared_arena.SharedArena.all_reduce = original  # type: ignore[method-assign]
+    assert torch.equal(out.to_local(), torch.full((4, 3), 3.0))
+    return bool(used)
+
+
+@pytest.mark.skipif(not _shared_arena.SUPPORTED, reason="the arena is x86 only")
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_process_group_only_keeps_data_off_the_arena(dist_pool: DistributedPool) -> None:
+    assert dist_pool.run(_arena_in_use_under, "default") == [True, True]
+    assert dist_pool.run(_arena_in_use_under, "process group only") == [False, False]
