@@ -41,7 +41,6 @@
 from __future__ import annotations
 
 import array
-import contextlib
 import mmap
 import platform
 from collections.abc import Callable, Sequence
@@ -315,11 +314,14 @@ class SharedArena:
         return self.slot_bytes // self._members // 64 * 64
 
     def close(self) -> None:
+        """Let go of the mapping; it is unmapped once no tensor views it any more.
+
+        Not ``mmap.close()``: tensors from ``torch.frombuffer`` keep the mmap
+        object alive but do not stop ``close()`` from unmapping it under them.
+        """
         self._waiter.close()
         self._cells.release()
-        del self._bytes
-        with contextlib.suppress(BufferError):  # a slot view still alive: unmapped when freed
-            self._buffer.close()
+        del self._bytes, self._buffer
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -160,3 +160,11 @@ def test_reserving_a_file_larger_than_the_filesystem_fails_cleanly(tmp_path: Pat
     with pytest.raises(OSError):
         _shared_memory.create_file(path, 2**62, reserve=True)
     assert not os.path.exists(path)  # nothing left behind
+
+
+def test_closing_leaves_tensors_that_view_the_arena_valid(tmp_path: Path) -> None:
+    (arena,) = _arenas(tmp_path, 1, slot_bytes=4096)
+    view = arena._slot(0, 0)  # as an op's slot view would be, were one alive at regrowth
+    arena.close()
+    view.fill_(7)  # an unmapped view would crash the process here
+    assert int(view.sum()) == 7 * 4096
