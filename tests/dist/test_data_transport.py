@@ -9,6 +9,8 @@ calls must get an error, not each other's bytes.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -135,3 +137,26 @@ def _arena_in_use_under(context: str) -> bool:
 def test_process_group_only_keeps_data_off_the_arena(dist_pool: DistributedPool) -> None:
     assert dist_pool.run(_arena_in_use_under, "default") == [True, True]
     assert dist_pool.run(_arena_in_use_under, "process group only") == [False, False]
+
+
+def _rank_one_exits_before_reducing() -> str:
+    rank = sbpflow.env.get_rank()
+    group = _groups.group_of("cpu", [(0, 1)], rank)
+    assert group is not None
+    collectives.all_reduce(torch.ones(4), group, "sum", inplace=False)  # sets the arena up
+    if rank == 1:
+        os._exit(3)
+    collectives.all_reduce(torch.ones(4), group, "sum", inplace=False)
+    return "finished"
+
+
+@pytest.mark.skipif(not _shared_arena.SUPPORTED, reason="the arena is x86 only")
+def test_a_rank_that_exits_mid_collective_is_noticed_long_before_the_timeout() -> None:
+    with DistributedPool(2, timeout=60.0, env={"SBPFLOW_TIMEOUT": "120"}) as pool:
+        outcomes = pool.run_expect_errors(_rank_one_exits_before_reducing, timeout=WITHIN_S)
+    assert outcomes.elapsed < 15, outcomes.elapsed
+    assert re.search(
+        r"sbpflow: all_reduce over ranks \[0, 1\] failed\..*rank 1 \(pid \d+\) exited while the "
+        r"others waited",
+        str(outcomes[0]),
+    ), str(outcomes[0])
