@@ -93,6 +93,11 @@ class SharedArena:
         pids: Sequence[int],
         slot_bytes: int,
     ):
+        if slot_bytes % 64 or slot_bytes < 64 * len(ranks):
+            raise ValueError(
+                f"slot_bytes must be a multiple of 64 and at least 64 per member, got {slot_bytes} "
+                f"for {len(ranks)} members"
+            )
         self._buffer = buffer
         self._cells = memoryview(buffer).cast("q")
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)

@@ -168,3 +168,8 @@ def test_closing_leaves_tensors_that_view_the_arena_valid(tmp_path: Path) -> Non
     arena.close()
     view.fill_(7)  # an unmapped view would crash the process here
     assert int(view.sum()) == 7 * 4096
+
+
+def test_slots_too_small_to_cut_per_member_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 64 per member, got 128 for 3 members"):
+        _arenas(tmp_path, 3, slot_bytes=128)
