@@ -176,8 +176,8 @@ class SharedArena:
                     stop = self._check_signatures(parity, op)
                 read(parity, start, end)
                 start = end
-        except RuntimeError as error:
-            self._broken = str(error)
+        except BaseException as error:  # an interrupt mid-round leaves the members out of step too
+            self._broken = str(error) or type(error).__name__
             raise
 
     def _write_signature(self, parity: int, *values: int) -> None:
