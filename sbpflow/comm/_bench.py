@@ -59,9 +59,8 @@ def time_collective(
     piece = block[: numel // num].clone()
     fence = torch.zeros(1, device=device)
 
-    splits = [
-        piece.numel() // num
-    ] * num  # all_to_all: the piece cut in ``num``, as even as it gets
+    # all_to_all: the piece cut in ``num``, as even as it gets
+    splits = [piece.numel() // num] * num
     splits[-1] += piece.numel() - sum(splits)
 
     # Out of place, as boxing runs them: every run writes a fresh buffer, so

@@ -74,6 +74,12 @@ def slot_bytes_for(need: int) -> int:
     return min(size, MAX_SLOT_BYTES)
 
 
+def segmented_need(members: int, piece_bytes: int) -> int:
+    """Slot bytes a collective that cuts the slot per member needs for pieces of ``piece_bytes``
+    (reduce_scatter, all_to_all; see ``SharedArena._segment_bytes``)."""
+    return members * (-(-piece_bytes // 64) * 64)
+
+
 def size_in_bytes(members: int, slot_bytes: int) -> int:
     return _HEADER_BYTES + 2 * members * (_SLOT_HEADER_BYTES + slot_bytes)
 

@@ -73,10 +73,6 @@ def _arena_for(group: Group, like: torch.Tensor, need: int) -> _shared_arena.Sha
     return arena
 
 
-def _round_up(size: int) -> int:
-    return -(-size // 64) * 64
-
-
 def all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
     """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
     ranks, handle = group
@@ -94,7 +90,7 @@ def reduce_scatter_into(
     """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
     ranks, handle = group
     with named("reduce_scatter", ranks):
-        need = len(ranks) * _round_up(out.numel() * out.element_size())
+        need = _shared_arena.segmented_need(len(ranks), out.numel() * out.element_size())
         arena = _arena_for(group, block, need)
         if arena is not None:
             arena.reduce_scatter(out, block, reduce_op, timeout_seconds())
@@ -125,7 +121,8 @@ def all_to_all_into(
     to any other (the same on every member, unlike the numels)."""
     ranks, handle = group
     with named("all_to_all", ranks):
-        arena = _arena_for(group, send, len(ranks) * _round_up(largest * send.element_size()))
+        need = _shared_arena.segmented_need(len(ranks), largest * send.element_size())
+        arena = _arena_for(group, send, need)
         if arena is not None:
             arena.all_to_all(recv, send, recv_numels, send_numels, timeout_seconds())
         else:

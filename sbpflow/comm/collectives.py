@@ -180,7 +180,7 @@ def all_to_all(
     send_numels = [c.numel() for c in send_chunks]
     # the largest piece any member sends: the same on every member, unlike send_numels
     rest = math.prod(n for d, n in enumerate(local.shape) if d not in (src_dim, dst_dim))
-    largest = rest * max(src_sizes) * (max(dst_sizes) if src_dim != dst_dim else 1)
+    largest = rest * max(src_sizes) * max(dst_sizes)
     all_to_all_into(recv, send, recv_numels, send_numels, largest, group)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])

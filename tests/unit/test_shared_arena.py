@@ -155,6 +155,16 @@ def test_slot_sizes_grow_by_four_within_bounds() -> None:
     assert _shared_arena.slot_bytes_for(10**9) == _shared_arena.MAX_SLOT_BYTES
 
 
+@pytest.mark.parametrize("members", [2, 3, 5])
+@pytest.mark.parametrize("piece_bytes", [1, 64, 100, 4096])
+def test_a_slot_of_the_segmented_need_holds_a_piece_per_member(
+    tmp_path: Path, members: int, piece_bytes: int
+) -> None:
+    need = _shared_arena.segmented_need(members, piece_bytes)
+    (arena, *_) = _arenas(tmp_path, members, slot_bytes=need)
+    assert piece_bytes <= arena._segment_bytes() < piece_bytes + 64
+
+
 def test_reserving_a_file_larger_than_the_filesystem_fails_cleanly(tmp_path: Path) -> None:
     path = str(tmp_path / "huge")
     with pytest.raises(OSError):
