@@ -164,12 +164,15 @@ def test_peak_activations(p: int, m: int) -> None:
         assert peak <= p, (s, peak)
 
 
-def test_interleaved_peak_per_rank_sums_its_stages() -> None:
-    """A rank's peak is over all its stages at once: at least each stage's own, at most their sum."""
-    sim = _build("interleaved_1f1b", [0, 1, 2, 3] * 2, 8).simulate()
-    for rank in range(4):
-        own = [sim.peak_activations[s] for s in (rank, rank + 4)]
-        assert max(own) <= sim.peak_activations_per_rank[rank] <= sum(own)
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 2), (2, 2, 8), (4, 2, 8), (3, 3, 6), (4, 1, 4)])
+def test_interleaved_peak_per_rank_follows_the_warm_up(p: int, v: int, m: int) -> None:
+    """Rank r holds its 2(p-r-1) + (v-1)p warm-up forwards plus one, over all its stages at once."""
+    sim = _build("interleaved_1f1b", list(range(p)) * v, m).simulate()
+    for r in range(p):
+        expected = min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+        assert sim.peak_activations_per_rank[r] == expected
+        own = [sim.peak_activations[s] for s in range(r, p * v, p)]
+        assert max(own) <= expected <= sum(own)
 
 
 def test_comm_time_delays_the_pipeline_and_bad_times_raise() -> None:

@@ -108,7 +108,8 @@ def slot_table(
     width = max((len(c) for c in cells.values()), default=1)
     width = max(width, len(str(num_slots - 1)))
     head = max(len(f"rank {r}") for r in ranks)
-    lines = [" " * head + " | " + " ".join(str(t).ljust(width) for t in range(num_slots))]
+    slots = " ".join(str(t).ljust(width) for t in range(num_slots))
+    lines = [(" " * head + " | " + slots).rstrip()]
     for rank in ranks:
         row = " ".join(cells.get((rank, t), ".").ljust(width) for t in range(num_slots))
         lines.append(f"rank {rank}".ljust(head) + " | " + row.rstrip())
