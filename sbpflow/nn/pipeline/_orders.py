@@ -1,6 +1,6 @@
 """The compute order of each schedule: per pipeline rank, which F / B / I / W runs next.
 
-Pure list building. Transfers are added afterwards (``build._with_transfers``)
+Pure list building. Transfers are added afterwards (``_build._with_transfers``)
 and everything is checked by ``_validate``. ``p`` is the number of pipeline
 ranks, ``m`` the number of micro-batches, ``r`` a rank's position (0..p-1) and,
 for interleaved, ``v`` the stages per rank: stage ``c * p + r`` is rank ``r``'s

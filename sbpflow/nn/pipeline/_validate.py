@@ -184,7 +184,7 @@ def _grad_of(sch: Schedule, rank: int, a: Action) -> Action:
     """What a backward on stage s < S-1 reads: the local B/I of stage s+1, or a receive."""
     nxt = a.stage + 1
     if sch.stage_ranks[nxt] == rank:
-        local = [b for b in (Action(_B, nxt, a.microbatch), Action(_I, nxt, a.microbatch))]
+        local = [Action(_B, nxt, a.microbatch), Action(_I, nxt, a.microbatch)]
         return next((b for b in local if b in sch.actions[rank]), local[0])
     return Action(ActionKind.RECV_GRAD, a.stage, a.microbatch, peer=sch.stage_ranks[nxt])
 
