@@ -12,6 +12,7 @@ model itself never reads files. The cache dir is ``$SBPFLOW_CACHE_DIR``, else
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -88,7 +89,7 @@ def _read(path: Path) -> dict[str, Any] | None:
             record = json.load(f)
         constants = [(record["alpha"], record["beta"])]
         constants += [(c["alpha"], c["beta"]) for c in record.get("ops", {}).values()]
-        ok = all(float(a) > 0 and float(b) > 0 for a, b in constants)
+        ok = all(0 < float(v) < math.inf for pair in constants for v in pair)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not ok or record.get("version") != FORMAT_VERSION:

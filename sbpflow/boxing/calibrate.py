@@ -274,9 +274,10 @@ def load_calibration(
         return None
     model = _cost.model_from_record(record)
     _cost.set_model(backend, model)
+    stored_world = record.get("world_size")
     return Calibration(
         backend,
-        int(record.get("world_size", world_size or 0)),
+        stored_world if isinstance(stored_world, int) else world_size or 0,
         model.link,
         dict(model.per_op),
         samples=_samples_of(record),

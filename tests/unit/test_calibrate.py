@@ -132,6 +132,8 @@ def test_load_calibration_refuses_to_run_in_a_job(monkeypatch: pytest.MonkeyPatc
     [
         "not json",
         json.dumps({"version": store.FORMAT_VERSION, "alpha": -1.0, "beta": 1e9}),
+        json.dumps({"version": store.FORMAT_VERSION, "alpha": float("inf"), "beta": 1e9}),
+        json.dumps({"version": store.FORMAT_VERSION, "alpha": 1e-4, "beta": float("nan")}),
         json.dumps({"version": store.FORMAT_VERSION, "alpha": 1e-4}),
         json.dumps({"version": 999, "alpha": 1e-4, "beta": 1e9}),
         json.dumps({"version": store.FORMAT_VERSION, "alpha": 1e-4, "beta": 1e9, "ops": {"x": 1}}),
