@@ -231,3 +231,9 @@ def test_to_networkx_marks_the_chosen_path() -> None:
     assert chosen == {(s.src, s.dst) for s in result.steps}
     assert all(graph.edges[s.src, s.dst]["op"] == s.op for s in result.steps)
     assert graph.number_of_edges() > len(result.steps)
+
+
+def test_cost_model_must_be_a_cost_model() -> None:
+    src, dst = (MESH_2X2, (S0, B)), (MESH_2X2, (B, B))
+    with pytest.raises(TypeError, match=r"cost_model must be a .*CostModel or None, got dict"):
+        planner.plan((8, 8), torch.float32, src, dst, cost_model={})  # type: ignore[arg-type]
