@@ -1,14 +1,18 @@
 """Where measured cost constants are kept between runs: one JSON file per machine.
 
 Pure file I/O (no process group). ``calibrate`` writes
-``<cache dir>/calibration-<hostname>-<backend>-<world size>.json``; the cost
-model reads it back on first use. The cache dir is ``$SBPFLOW_CACHE_DIR``, else
+``<cache dir>/calibration-<hostname>-<backend>-<world size>.json``. In a job
+only world rank 0 reads it, when the world is set up, and shares what it
+read with every rank (NOTE [stored constants] in calibrate.py); in a single
+process ``sbpflow.boxing.load_calibration()`` reads it on request. The cost
+model itself never reads files. The cache dir is ``$SBPFLOW_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/sbpflow``, else ``~/.cache/sbpflow``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -53,22 +57,25 @@ def save(record: dict[str, Any], path: Path) -> None:
 
 
 def load(backend: str, world_size: int) -> dict[str, Any] | None:
-    """The stored record for this machine and backend, or ``None``.
+    """The record this machine stored for ``backend`` on exactly ``world_size`` ranks, or ``None``.
 
-    The file for exactly ``world_size`` ranks wins; otherwise the newest file
-    of this machine and backend (a notebook, a world of one, plans for the
-    meshes it calibrated). Unreadable or malformed files are ignored.
+    Unreadable or malformed files count as absent.
     """
-    exact = path_for(backend, world_size)
-    candidates = [exact] if exact.is_file() else []
-    if not candidates:
-        pattern = f"{_PREFIX}{hostname()}-{backend}-*.json"
-        try:
-            found = sorted(cache_dir().glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
-        except OSError:
-            found = []
-        candidates = found
-    for path in candidates:
+    return _first_readable([path_for(backend, world_size)])
+
+
+def load_newest(backend: str) -> dict[str, Any] | None:
+    """The newest readable record this machine stored for ``backend``, any world size, or ``None``."""
+    pattern = f"{_PREFIX}{hostname()}-{backend}-*.json"
+    try:
+        found = sorted(cache_dir().glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        found = []
+    return _first_readable(found)
+
+
+def _first_readable(paths: list[Path]) -> dict[str, Any] | None:
+    for path in paths:
         record = _read(path)
         if record is not None:
             record["path"] = str(path)
@@ -82,7 +89,7 @@ def _read(path: Path) -> dict[str, Any] | None:
             record = json.load(f)
         constants = [(record["alpha"], record["beta"])]
         constants += [(c["alpha"], c["beta"]) for c in record.get("ops", {}).values()]
-        ok = all(float(a) > 0 and float(b) > 0 for a, b in constants)
+        ok = all(0 < float(v) < math.inf for pair in constants for v in pair)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not ok or record.get("version") != FORMAT_VERSION:

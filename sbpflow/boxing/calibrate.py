@@ -14,6 +14,20 @@
 # ring model says twice as fast). Rank 0's fits are broadcast so every rank
 # plans with bit-identical constants; plans that differed between ranks would
 # run different collectives and hang.
+#
+# NOTE [stored constants]
+# calibrate() stores its fits per machine (_calibration_store). A later job
+# must not let each rank read its own host's file: two hosts with different
+# files would plan differently. So the files are read by world rank 0 only,
+# when the world is first set up (the world-ready hook of comm/_world.py):
+# rank 0 takes, per backend, the model installed in memory if any, else its
+# record for exactly this world size, and broadcasts them as one fixed-size
+# float64 vector (cost.to_vector) over the world's CPU group; every rank,
+# rank 0 included, installs what the broadcast delivered, or the defaults
+# where rank 0 had nothing. A rank planning differently is thereby
+# impossible, not merely detected. A process with no process group (a
+# notebook) plans with what is in memory; load_calibration() reads this
+# machine's file there, on request.
 """
 
 from __future__ import annotations
@@ -24,16 +38,23 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..comm import _bench
-from ..comm._world import ensure_initialized, get_local_rank, get_rank, get_world_size
+from ..comm._world import (
+    ensure_initialized,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    on_world_ready,
+)
 from ..placement import Placement
 from . import _calibration_store as store
 from . import cost as _cost
 
-__all__ = ["Calibration", "Sample", "calibrate"]
+__all__ = ["Calibration", "Sample", "calibrate", "load_calibration"]
 
 # Sizes of the block each collective handles: two small ones pin the latency,
 # two large ones the bandwidth. The large ones sit past the CPU caches, where
@@ -148,9 +169,11 @@ def calibrate(
     The constants are installed with ``cost.set_model`` (identical on every
     rank) and, with ``save=True``, written to
     ``calibration-<host>-<backend>-<world>.json`` in ``$SBPFLOW_CACHE_DIR``
-    (default ``~/.cache/sbpflow``), which later runs on this machine load
-    instead of the defaults. In a world of one there is nothing to time: the
-    current constants come back with ``measured=False``.
+    (default ``~/.cache/sbpflow``). A later job of the same world size whose
+    rank 0 runs on this machine plans with them: rank 0 reads the file when
+    the world is set up and shares it with every rank (NOTE [stored
+    constants]). In a world of one there is nothing to time: the current
+    constants come back with ``measured=False``.
     """
     placement = _check_args(placement, sizes, repeats)
     ensure_initialized()
@@ -214,6 +237,105 @@ def calibrate(
         if stored:
             result = dataclasses.replace(result, path=str(path))
     return result
+
+
+def load_calibration(
+    device_type: str = "cpu", *, world_size: int | None = None
+) -> Calibration | None:
+    """Install the constants ``calibrate`` stored on this machine; for a single process.
+
+    A notebook or script with no process group plans with the constants in
+    memory and never reads files on its own; this reads the record for
+    ``device_type``'s backend (gloo for ``"cpu"``, NCCL for ``"cuda"``) that
+    was measured on exactly ``world_size`` ranks, or the newest one when
+    ``world_size`` is ``None``, and installs it. Returns what it installed, or
+    ``None`` (and installs nothing) when this machine has no readable record.
+
+    In a job of several ranks the stored constants are shared from rank 0
+    when the world is set up (NOTE [stored constants]); reading files per
+    rank could make ranks plan differently, so this raises there.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device_type must be 'cpu' or 'cuda', got {device_type!r}; e.g. load_calibration('cpu')."
+        )
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int or None, got {world_size!r}.")
+    if get_world_size() > 1:
+        raise RuntimeError(
+            f"load_calibration reads this machine's file, but this process is one of "
+            f"{get_world_size()} ranks, whose hosts may hold different files; in a job, world "
+            "rank 0's stored constants are shared with every rank when the world is set up. "
+            "Call load_calibration only in a single process (a notebook)."
+        )
+    backend = _cost.backend_for(device_type)
+    record = store.load_newest(backend) if world_size is None else store.load(backend, world_size)
+    if record is None:
+        return None
+    model = _cost.model_from_record(record)
+    _cost.set_model(backend, model)
+    stored_world = record.get("world_size")
+    return Calibration(
+        backend,
+        stored_world if isinstance(stored_world, int) else world_size or 0,
+        model.link,
+        dict(model.per_op),
+        samples=_samples_of(record),
+        path=record["path"],
+    )
+
+
+def _samples_of(record: dict[str, Any]) -> tuple[Sample, ...]:
+    """The whole-placement samples of a stored record (for printing), or none if malformed."""
+    try:
+        samples = tuple(
+            Sample(str(s["op"]), int(s["num_ranks"]), int(s["num_bytes"]), float(s["seconds"]))
+            for s in record.get("samples", [])
+            if s.get("axis") is None
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ()
+    return tuple(s for s in samples if s.op in _bench.TIMED_OPS)
+
+
+def _share_stored_constants() -> None:
+    """World-ready callback: world rank 0's constants, installed on every rank (NOTE [stored constants])."""
+    size = _cost.VECTOR_SIZE
+    values = [0.0] * (size * len(_cost.BACKENDS))
+    if get_rank() == 0:
+        world = get_world_size()
+        values = [
+            v
+            for backend in _cost.BACKENDS
+            for v in _cost.to_vector(_first_rank_model(backend, world))
+        ]
+    shared = _bench.broadcast_from_first(values)
+    for i, backend in enumerate(_cost.BACKENDS):
+        model = _cost.from_vector(shared[i * size : (i + 1) * size])
+        if model is None:
+            _cost.reset(backend)
+        else:
+            _cost.set_model(backend, model)
+
+
+def _first_rank_model(backend: str, world_size: int) -> _cost.CostModel | None:
+    """On world rank 0: the model installed in memory, else the stored one, else ``None``."""
+    installed = _cost.installed_model(backend)
+    if installed is not None:
+        return installed
+    try:
+        record = store.load(backend, world_size)
+        return None if record is None else _cost.model_from_record(record)
+    except Exception as error:  # never leave the other ranks waiting in the broadcast
+        warnings.warn(
+            f"sbpflow could not read the stored {backend} calibration ({error!r}); planning with "
+            "the default constants. Run sbpflow.boxing.calibrate() to store new ones.",
+            stacklevel=2,
+        )
+        return None
+
+
+on_world_ready(_share_stored_constants)
 
 
 def _check_args(placement: Placement | None, sizes: Sequence[int], repeats: int) -> Placement:

@@ -1,8 +1,8 @@
 """Alpha-beta cost of one boxing step: latency per message plus bytes over bandwidth.
 
-Pure code. The constants are per backend; ``sbpflow.boxing.calibrate`` measures
-them on the running machine and stores them per machine, and these defaults
-stand in until it has.
+Pure code: no process group, no files. The constants are per backend and the
+same on every rank of a job (NOTE [agreed constants]); ``sbpflow.boxing.calibrate``
+measures them, and these defaults stand in until it has.
 """
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CostModel", "LinkCost", "generation", "model_for", "reset", "set_model"]
+__all__ = [
+    "CostModel",
+    "LinkCost",
+    "generation",
+    "installed_model",
+    "model_for",
+    "reset",
+    "set_model",
+]
 
 # Defaults: gloo over loopback TCP on a small machine moves ~1-2 GB/s with
 # ~50-100 us per message (measured on a 2-core CPU host with 4 ranks); NCCL
@@ -65,8 +73,7 @@ class CostModel:
 
     @staticmethod
     def default(backend: str) -> CostModel:
-        alpha, beta = _DEFAULTS.get(backend, _DEFAULTS["gloo"])
-        return CostModel(LinkCost(alpha, beta))
+        return _DEFAULT_MODELS.get(backend, _DEFAULT_MODELS["gloo"])
 
     def __str__(self) -> str:
         lines = [f"CostModel: {self.link}"] + [f"  {op}: {link}" for op, link in self.per_op]
@@ -105,9 +112,27 @@ class CostModel:
 
 
 # -- the models the planner uses -----------------------------------------------------
+#
+# NOTE [agreed constants]
+# Two ranks that priced a step differently could pick different plans for the
+# same to_global, enter different collectives and hang. So the constants a
+# job plans with are one value, the same on every rank by construction: this
+# module holds them in memory only (it reads no file and no world size), and
+# they change only in ways every rank takes part in: ``calibrate()``
+# (broadcasts rank 0's fits), the world-ready hook in calibrate.py (world
+# rank 0 reads its stored record and broadcasts it as the fixed-size vector
+# below), or ``set_model`` called alike on every rank. A plan may also be
+# priced with an explicit model (``plan(..., cost_model=...)``).
 
-_calibrated: dict[str, CostModel] = {}
-_stored: dict[tuple[str, int, str], CostModel | None] = {}  # file look-ups, once per key
+# The ops a model may price with their own constants (CostModel.per_op), in
+# the order of the agreed vector.
+PER_OP_NAMES = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "send_recv")
+BACKENDS = ("gloo", "nccl")
+# present flag, link alpha and beta, then per op: present flag, alpha, beta
+VECTOR_SIZE = 3 + 3 * len(PER_OP_NAMES)
+
+_DEFAULT_MODELS = {backend: CostModel(LinkCost(*_DEFAULTS[backend])) for backend in BACKENDS}
+_installed: dict[str, CostModel] = {}
 _generation = 0
 
 
@@ -116,58 +141,111 @@ def backend_for(device_type: str) -> str:
 
 
 def model_for(device_type: str) -> CostModel:
-    """The cost model for placements of ``device_type``.
+    """The job's agreed cost model for placements of ``device_type``.
 
-    In order: constants installed by ``set_model`` (``calibrate`` does this),
-    else the ones ``calibrate`` stored for this machine (see
-    ``_calibration_store``), else the defaults above.
+    The model installed for its backend (``set_model``; ``calibrate`` and the
+    constants shared when the world is set up install through it), else the
+    defaults above. Never reads a file (NOTE [agreed constants]).
     """
     backend = backend_for(device_type)
-    model = _calibrated.get(backend)
-    if model is not None:
-        return model
-    return _stored_model(backend) or CostModel.default(backend)
+    return _installed.get(backend) or _DEFAULT_MODELS[backend]
 
 
-def _stored_model(backend: str) -> CostModel | None:
-    # Looked up once per (backend, world size, cache dir) and kept, so every
-    # plan of a process uses the same constants even if a file appears later.
-    from ..comm._world import get_world_size  # reads the world size; creates nothing
-    from . import _calibration_store as store
-
-    key = (backend, get_world_size(), str(store.cache_dir()))
-    if key not in _stored:
-        record = store.load(backend, key[1])
-        _stored[key] = None if record is None else model_from_record(record)
-    return _stored[key]
-
-
-def model_from_record(record: dict[str, Any]) -> CostModel:
-    """The model a stored calibration record describes (see ``_calibration_store``)."""
-    per_op = tuple(
-        (op, LinkCost(float(c["alpha"]), float(c["beta"])))
-        for op, c in sorted(record.get("ops", {}).items())
-    )
-    return CostModel(LinkCost(float(record["alpha"]), float(record["beta"])), per_op)
+def installed_model(backend: str) -> CostModel | None:
+    """The model installed for ``backend``, or ``None`` while the defaults apply."""
+    _check_backend(backend)
+    return _installed.get(backend)
 
 
 def set_model(backend: str, model: CostModel) -> None:
-    """Install measured constants; cached plans are invalidated."""
-    global _generation
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
-    _calibrated[backend] = model
-    _generation += 1
+    """Install ``model`` for ``backend``; plans are priced with it from now on.
+
+    In a job, install the same model on every rank (NOTE [agreed constants]).
+    """
+    _check_backend(backend)
+    if not isinstance(model, CostModel):
+        raise TypeError(
+            f"model must be a sbpflow.boxing.cost.CostModel, got {type(model).__name__}: "
+            f"{model!r}; e.g. CostModel(LinkCost(alpha=60e-6, beta=1.5e9))."
+        )
+    unknown = [op for op, _ in model.per_op if op not in PER_OP_NAMES]
+    if unknown:
+        raise ValueError(
+            f"model has per-op constants for {unknown}, but only {PER_OP_NAMES} are priced "
+            "with their own constants; drop the others from CostModel.per_op."
+        )
+    _install(backend, model)
 
 
-def reset() -> None:
-    """Forget installed constants and file look-ups (back to the stored file or defaults)."""
+def reset(backend: str | None = None) -> None:
+    """Forget installed constants (of ``backend``, or of every backend): back to the defaults."""
     global _generation
-    _calibrated.clear()
-    _stored.clear()
+    if backend is None:
+        _installed.clear()
+    else:
+        _check_backend(backend)
+        _installed.pop(backend, None)
     _generation += 1
 
 
 def generation() -> int:
-    """Bumped whenever the cost constants change, so cached plans are re-planned."""
+    """Bumped whenever the installed constants change (the planner's hot cache checks it)."""
     return _generation
+
+
+def _install(backend: str, model: CostModel) -> None:
+    global _generation
+    _installed[backend] = model
+    _generation += 1
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
+
+
+def model_from_record(record: dict[str, Any]) -> CostModel:
+    """The model a stored calibration record describes (see ``_calibration_store``).
+
+    Per-op constants of ops outside ``PER_OP_NAMES`` are dropped: no step is
+    priced with them, and the agreed vector has no room for them.
+    """
+    per_op = tuple(
+        (op, LinkCost(float(c["alpha"]), float(c["beta"])))
+        for op, c in sorted(record.get("ops", {}).items())
+        if op in PER_OP_NAMES
+    )
+    return CostModel(LinkCost(float(record["alpha"]), float(record["beta"])), per_op)
+
+
+# -- the fixed-size vector one rank shares with the others ----------------------------
+
+
+def to_vector(model: CostModel | None) -> list[float]:
+    """``model`` as ``VECTOR_SIZE`` floats (all zeros for ``None``), for a broadcast."""
+    values = [0.0] * VECTOR_SIZE
+    if model is None:
+        return values
+    values[:3] = [1.0, model.link.alpha, model.link.beta]
+    for op, link in model.per_op:
+        if op not in PER_OP_NAMES:
+            raise ValueError(
+                f"per-op constants for {op!r} cannot be shared; a model prices only "
+                f"{PER_OP_NAMES} with their own constants."
+            )
+        at = 3 + 3 * PER_OP_NAMES.index(op)
+        values[at : at + 3] = [1.0, link.alpha, link.beta]
+    return values
+
+
+def from_vector(values: list[float]) -> CostModel | None:
+    """The model ``to_vector`` encoded (``None`` when its present flag is off)."""
+    assert len(values) == VECTOR_SIZE, f"expected {VECTOR_SIZE} floats, got {len(values)}"
+    if values[0] == 0.0:
+        return None
+    per_op = tuple(
+        (op, LinkCost(values[at + 1], values[at + 2]))
+        for op, at in ((op, 3 + 3 * i) for i, op in enumerate(PER_OP_NAMES))
+        if values[at] != 0.0
+    )
+    return CostModel(LinkCost(values[1], values[2]), tuple(sorted(per_op)))

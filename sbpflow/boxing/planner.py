@@ -46,9 +46,11 @@
 #
 # NOTE [plan cache]
 # ``plan`` is on every boxing call, so its hot path is one dict look-up keyed
-# on the raw arguments (shape tuple, dtype, src, dst) and the cost model's
-# generation; only a miss normalises the arguments and plans (cached again
-# per normalised layouts).
+# on the raw arguments (shape tuple, dtype, src, dst, cost_model) and checked
+# against the generation of the installed constants; only a miss normalises
+# the arguments and plans, cached again per (normalised layouts, the cost
+# models that price them), so installing constants seen before re-uses their
+# plans.
 """
 
 from __future__ import annotations
@@ -89,13 +91,17 @@ def plan(
     dtype: torch.dtype,
     src: Layout | tuple[Placement, Any],
     dst: Layout | tuple[Placement, Any],
+    cost_model: _cost.CostModel | None = None,
 ) -> BoxingPlan:
     """The cheapest plan that turns layout ``src`` into ``dst``; cached.
 
-    ``src``/``dst`` are ``(placement, sbp)`` pairs (or ``Layout``). Needs no
-    process group, so it works in a notebook with no cluster.
+    ``src``/``dst`` are ``(placement, sbp)`` pairs (or ``Layout``). Steps are
+    priced with ``cost_model``, or, when it is ``None``, with the job's agreed
+    model for each placement's device type (``cost.model_for``, NOTE [agreed
+    constants] in cost.py). Needs no process group, so it works in a notebook
+    with no cluster.
     """
-    key: Any = (shape, dtype, src, dst)
+    key: Any = (shape, dtype, src, dst, cost_model)
     try:
         hit = _hot.get(key)
     except TypeError:  # a list somewhere in the arguments: not hashable as given
@@ -109,12 +115,28 @@ def plan(
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}; e.g. torch.float32.")
     for name, layout in (("src", src_layout), ("dst", dst_layout)):
         _check_partials(name, layout)
-    result = _cached_plan(tuple(int(n) for n in shape), dtype, src_layout, dst_layout, generation)
+    models = _models(src_layout, dst_layout, cost_model)
+    result = _cached_plan(tuple(int(n) for n in shape), dtype, src_layout, dst_layout, models)
     if key is not None:
         if len(_hot) >= _HOT_LIMIT:
             _hot.clear()
         _hot[key] = (generation, result)
     return result
+
+
+Models = tuple[_cost.CostModel, _cost.CostModel]  # pricing steps on the source, destination
+
+
+def _models(src: Layout, dst: Layout, cost_model: _cost.CostModel | None) -> Models:
+    if cost_model is None:
+        return (_cost.model_for(src.placement.type), _cost.model_for(dst.placement.type))
+    if not isinstance(cost_model, _cost.CostModel):
+        raise TypeError(
+            f"cost_model must be a sbpflow.boxing.cost.CostModel or None, got "
+            f"{type(cost_model).__name__}: {cost_model!r}; pass None to use the job's agreed "
+            "model, or e.g. cost.CostModel(cost.LinkCost(alpha=60e-6, beta=1.5e9))."
+        )
+    return (cost_model, cost_model)
 
 
 # NOTE [no partial detours]
@@ -154,12 +176,12 @@ def _as_layout(value: Any, name: str, tensor_ndim: int) -> Layout:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(
-    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, cost_generation: int
+    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, models: Models
 ) -> BoxingPlan:
-    graph = functools.partial(searched_graph, shape, dtype, src, dst)
+    graph = functools.partial(_searched_graph, shape, dtype, src, dst, models)
     if src.normalized() == dst.normalized():
         return BoxingPlan(shape, dtype, src, dst, (), graph)
-    problem = _Problem.make(shape, dtype, src, dst)
+    problem = _Problem.make(shape, dtype, src, dst, models)
     path, _ = _search(problem, record=False)
     steps = tuple(problem.step(u, v, move) for u, v, move in path)
     return BoxingPlan(shape, dtype, src, dst, steps, graph)
@@ -195,7 +217,9 @@ class _Problem:
     blocks: tuple[dict[Codes, int], ...]  # block bytes per placement, filled as the search goes
 
     @staticmethod
-    def make(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout) -> _Problem:
+    def make(
+        shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, models: Models
+    ) -> _Problem:
         src, dst = src.normalized(), dst.normalized()
         itemsize = torch.empty((), dtype=dtype).element_size()
         values = candidate_values(len(shape), src.sbp + dst.sbp)
@@ -213,7 +237,7 @@ class _Problem:
             shape,
             itemsize,
             placements,
-            tuple(_cost.model_for(pl.type) for pl in placements),
+            models[: len(placements)],
             table,
             tuple(axis_groups(pl.shape) for pl in placements),
             (0, table.encode(src.sbp)),
@@ -311,10 +335,23 @@ def _search(problem: _Problem, record: bool) -> tuple[Path, Path]:
 
 
 def searched_graph(
-    shape: Sequence[int], dtype: torch.dtype, src: Layout, dst: Layout
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    src: Layout,
+    dst: Layout,
+    cost_model: _cost.CostModel | None = None,
 ) -> nx.DiGraph:
-    """The graph of layouts the search reached, every edge it weighed, the chosen path marked."""
-    problem = _Problem.make(tuple(shape), dtype, src, dst)
+    """The graph of layouts the search reached, every edge it weighed, the chosen path marked.
+
+    Priced as ``plan`` prices it (``cost_model``, or the agreed model when ``None``).
+    """
+    return _searched_graph(tuple(shape), dtype, src, dst, _models(src, dst, cost_model))
+
+
+def _searched_graph(
+    shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, models: Models
+) -> nx.DiGraph:
+    problem = _Problem.make(shape, dtype, src, dst, models)
     graph = nx.DiGraph()
     graph.add_node(problem.layout(problem.start))
     path: Path = []

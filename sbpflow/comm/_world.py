@@ -69,9 +69,19 @@ def is_initialized() -> bool:
 
 
 def ensure_initialized() -> None:
-    """Make sure a default process group exists (see NOTE [lazy world])."""
-    if is_initialized():
-        return
+    """Make sure a default process group exists (see NOTE [lazy world]).
+
+    Collective the first time: the world-ready callbacks run then (NOTE
+    [world ready]), so every rank must make its first call at the same point
+    of the program, as every sbpflow collective does.
+    """
+    if not is_initialized():
+        _init_default_group()
+    if not _world_ready:
+        _run_world_ready()
+
+
+def _init_default_group() -> None:
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this PyTorch build.")
     backend = (
@@ -119,6 +129,43 @@ def _rendezvous(rank: int, world_size: int) -> dist.Store:
     store.set_timeout(timeout_delta())  # from here on, waits are bounded like collectives
     # Keys of the default group go under a prefix, as init_process_group does.
     return dist.PrefixStore("default_pg", store)
+
+
+# NOTE [world ready]
+# Some state must be the same on every rank before the first plan that uses it
+# runs, e.g. the cost constants (NOTE [agreed constants] in boxing/cost.py).
+# Layers above comm register a callback with ``on_world_ready``; the first
+# ``ensure_initialized()`` of the process runs them all, on every rank, in
+# registration order, whether sbpflow or the user created the default group.
+# A callback may communicate over the world (the flag is set before they run,
+# so its own ``ensure_initialized()`` calls return at once). comm never
+# imports the layers above it: they hand it the callback.
+
+_world_ready_callbacks: list[Callable[[], None]] = []
+_world_ready = False
+
+
+def on_world_ready(callback: Callable[[], None]) -> None:
+    """Run ``callback`` on every rank when the world is first set up (NOTE [world ready]).
+
+    Register it at import time on every rank. Registered after the world is
+    ready, it runs at once.
+    """
+    _world_ready_callbacks.append(callback)
+    if _world_ready:
+        callback()
+
+
+def is_world_ready() -> bool:
+    """Whether the world-ready callbacks have run in this process."""
+    return _world_ready
+
+
+def _run_world_ready() -> None:
+    global _world_ready
+    _world_ready = True
+    for callback in list(_world_ready_callbacks):
+        callback()
 
 
 # NOTE [teardown]

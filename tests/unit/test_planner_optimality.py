@@ -207,11 +207,21 @@ def test_plans_are_cached_on_raw_and_normalised_arguments() -> None:
     assert planner.plan([8, 8], torch.float32, (MESH_2X2, [S0, S1]), (MESH_2X2, (B, B))) is a
 
 
-def test_new_cost_constants_replan() -> None:
-    before = planner.plan((8, 8), torch.float32, (MESH_2X2, (P, P)), (MESH_2X2, (B, B)))
-    cost.set_model("gloo", MODEL)  # same constants, but a new generation
-    after = planner.plan((8, 8), torch.float32, (MESH_2X2, (P, P)), (MESH_2X2, (B, B)))
-    assert after is not before and after.steps == before.steps
+def test_plans_are_cached_per_cost_model() -> None:
+    """New constants re-plan; constants seen before (installed or passed) re-use their plan."""
+    args = ((8, 8), torch.float32, (MESH_2X2, (S0, S1)), (MESH_2X2, (S1, S0)))
+    before = planner.plan(*args)
+    slow = cost.CostModel(cost.LinkCost(MODEL.link.alpha * 1000, MODEL.link.beta))
+    cost.set_model("gloo", slow)
+    try:
+        repriced = planner.plan(*args)
+        assert repriced is not before
+        assert repriced.cost > before.cost
+        assert planner.plan(*args, cost_model=slow) is repriced
+        assert planner.plan(*args, cost_model=MODEL) is before
+    finally:
+        cost.set_model("gloo", MODEL)
+    assert planner.plan(*args) is before  # same constants again: the cached plan
 
 
 def test_to_networkx_marks_the_chosen_path() -> None:
@@ -221,3 +231,9 @@ def test_to_networkx_marks_the_chosen_path() -> None:
     assert chosen == {(s.src, s.dst) for s in result.steps}
     assert all(graph.edges[s.src, s.dst]["op"] == s.op for s in result.steps)
     assert graph.number_of_edges() > len(result.steps)
+
+
+def test_cost_model_must_be_a_cost_model() -> None:
+    src, dst = (MESH_2X2, (S0, B)), (MESH_2X2, (B, B))
+    with pytest.raises(TypeError, match=r"cost_model must be a .*CostModel or None, got dict"):
+        planner.plan((8, 8), torch.float32, src, dst, cost_model={})  # type: ignore[arg-type]
