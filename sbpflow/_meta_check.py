@@ -108,8 +108,8 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
 def agree(mine: RankMeta, what: str) -> None:
     """The fast form of ``exchange`` for calls whose whole vector must match on every rank.
 
-    The vector's hash is cached on ``mine``; the check is one collective of
-    one int64 per rank, and only a mismatch pays for readable messages.
+    The vector's hash is cached on ``mine``; the check is one all_reduce of
+    two int64 values, and only a mismatch pays for readable messages.
     """
     if not collectives.same_on_every_rank(mine.digest):
         _raise_everywhere(mine, what, compare_shapes=True)

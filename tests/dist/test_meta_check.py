@@ -123,11 +123,11 @@ def _collectives_of_each_check() -> dict[str, list[tuple[str, int]]]:
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_each_check_is_one_small_collective(dist_pool: DistributedPool) -> None:
-    """agree sends one int64 hash per rank; exchange the metadata vector per rank."""
+    """agree all-reduces [hash, -hash]; exchange sends the metadata vector to every rank."""
     world = dist_pool.world_size
     width = _meta_check._HEADER + _meta_check.MAX_DIMS
     for seen in dist_pool.run(_collectives_of_each_check):
-        assert seen["agree"] == [("all_to_all_single", world)], seen
+        assert seen["agree"] == [("all_reduce", 2)], seen
         assert seen["exchange"] == [("all_to_all_single", world * width)], seen
 
 
