@@ -58,7 +58,7 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
-    all_gather_into(out, piece, group)
+    _all_gather_into(out, piece, group)
     slot = _group_slots(ranks)
     if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
@@ -78,7 +78,7 @@ def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tens
     num = len(group[0])
     piece = local.contiguous()
     out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
-    all_gather_into(out, piece, group)
+    _all_gather_into(out, piece, group)
     shape = list(piece.shape)
     shape[dim] *= num
     return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
@@ -92,7 +92,7 @@ def _reduce_scatter_inner(
     shape[dim : dim + 1] = [num, shape[dim] // num]
     src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
     out = src.new_empty(src.shape[1:])
-    reduce_scatter_into(out, src, group, reduce_op)
+    _reduce_scatter_into(out, src, group, reduce_op)
     return out
 
 
@@ -114,7 +114,7 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
         out = local
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
-    all_reduce_in_place(out, group, reduce_op)
+    _all_reduce_in_place(out, group, reduce_op)
     return out
 
 
@@ -138,7 +138,7 @@ def reduce_scatter(
         members = order or range(len(ranks))
         src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
-    reduce_scatter_into(out, src, group, reduce_op)
+    _reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -174,7 +174,7 @@ def all_to_all(
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = local.new_empty(sum(recv_numels))
     send_numels = [c.numel() for c in send_chunks]
-    all_to_all_into(recv, send, recv_numels, send_numels, group)
+    _all_to_all_into(recv, send, recv_numels, send_numels, group)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
@@ -210,14 +210,14 @@ def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor
 # -- the process-group calls (pieces in process-group order, tensors contiguous) ---------
 
 
-def all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
+def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
     """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
     ranks, handle = group
     with named("all_gather", ranks):
         all_gather_single(out.view(-1), piece.view(-1), group=handle)
 
 
-def reduce_scatter_into(
+def _reduce_scatter_into(
     out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
 ) -> None:
     """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
@@ -226,13 +226,13 @@ def reduce_scatter_into(
         reduce_scatter_single(out.view(-1), block.view(-1), op=REDUCE_OPS[reduce_op], group=handle)
 
 
-def all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> None:
+def _all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> None:
     ranks, handle = group
     with named("all_reduce", ranks):
         dist.all_reduce(tensor, op=REDUCE_OPS[reduce_op], group=handle)
 
 
-def all_to_all_into(
+def _all_to_all_into(
     recv: torch.Tensor,
     send: torch.Tensor,
     recv_numels: list[int],
