@@ -6,10 +6,10 @@
 # --candidates, 2 and 4 gloo ranks on one 2-core host; medians):
 #   - ``same_on_every_rank`` (global -> global: the whole vector must match)
 #     all-reduces ``[h, -h]`` with MAX for a hash ``h`` of the vector: the
-#     ranks agree iff max(h) == min(h). About as fast as an all_to_all of one
-#     int64 on 2 ranks and 3x faster on 4 (0.8-1.1 ms against 2.6-3.0 ms
-#     there); all_gather was slower on both. Its payload does not grow with
-#     the world.
+#     ranks agree iff max(h) == min(h). Against an all_to_all of one int64 it
+#     is a little slower on 2 ranks (0.18-0.21 ms against 0.13-0.18 ms) and
+#     2-4x faster on 4 (0.8-1.1 ms against 2.1-4.0 ms); all_gather was slower
+#     than both. Its payload does not grow with the world.
 #   - ``all_gather_meta`` (local -> global: the ranks' shapes may differ, so
 #     every vector is needed) is an all_to_all of the vector repeated once per
 #     rank: one message to each peer, all at once, where gloo's ring
