@@ -1,7 +1,7 @@
 """Metadata check benchmark: what one checked ``to_global`` pays for the check (NOTE [meta check]).
 
-One run spawns ``N`` gloo ranks per world size on this machine and times, call
-by call:
+One run starts a pool of ``N`` gloo ranks per world size on this machine
+(``sbpflow.testing.DistributedPool``) and times, call by call:
 
 - ``agree``: the check of a global -> global conversion (every rank must hold
   the same metadata), as ``g.to_global(sbp=...)`` runs it;
@@ -26,11 +26,9 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import importlib
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -47,7 +44,7 @@ if str(ROOT) not in sys.path:
 import sbpflow  # noqa: E402
 from bench._report import machine  # noqa: E402
 from sbpflow import _meta_check  # noqa: E402
-from sbpflow.testing import free_port  # noqa: E402
+from sbpflow.testing import DistributedPool  # noqa: E402
 
 _BLOCK = 50
 
@@ -111,19 +108,14 @@ def _time_calls(calls: dict[str, Callable[[], Any]], num: int, warmup: int) -> d
     return times
 
 
-def _worker(rank: int, world: int, port: int, config: dict[str, Any], result_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
+def measure(config: dict[str, Any]) -> dict[str, list[float]]:
+    """A rank's job: the per-call times of every form (the same on every rank)."""
     torch.set_num_threads(1)
-    sbpflow.comm.ensure_initialized()
+    world = dist.get_world_size()
     calls = _check_calls(world)
     if config["candidates"]:
         calls.update(_candidate_calls(world))
-    times = _time_calls(calls, config["calls"], config["warmup"])
-    if rank == 0:
-        Path(result_path).write_text(json.dumps(times))
-    dist.barrier()
+    return _time_calls(calls, config["calls"], config["warmup"])
 
 
 def render(results: dict[int, dict[str, list[float]]]) -> str:
@@ -146,11 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     config = {"calls": args.calls, "warmup": args.warmup, "candidates": args.candidates}
     print(f"# metadata check benchmark on {machine()}", flush=True)
     results: dict[int, dict[str, list[float]]] = {}
+    # The ranks unpickle the job by module name, which "__main__" is not in them.
+    job = importlib.import_module("bench.meta_check.run").measure
     for world in [int(r) for r in args.ranks.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.json")
-            mp.spawn(_worker, args=(world, free_port(), config, path), nprocs=world, join=True)
-            results[world] = json.loads(Path(path).read_text())
+        with DistributedPool(world, timeout=1800.0) as pool:
+            results[world] = pool.run(job, config)[0]
     print(render(results))
 
 
