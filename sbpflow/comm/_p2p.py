@@ -43,10 +43,13 @@ def exchange(
     peers are world ranks among them. Every world rank calls this (NOTE
     [transfer groups]); a rank outside ``ranks`` passes no pieces.
     """
-    ensure_initialized()
     members = tuple(sorted(set(ranks)))
+    if len(members) == 1:  # a copy within one rank: no group (every rank skips it alike)
+        assert not sends and not recvs, f"pieces to send within the one rank {members[0]}"
+        return
+    ensure_initialized()
     found = group_of(device_type, [members], dist.get_rank())
-    if found is None or len(members) == 1:
+    if found is None:
         assert not sends and not recvs, f"pieces to move outside the ranks {list(members)}"
         return
     handle = found[1]
