@@ -3,12 +3,18 @@
 # NOTE [meta check]
 # A rank that disagrees with the others (another shape, dtype, SBP or
 # placement) would enter a different collective and hang the job. So each
-# user-level ``to_global`` first all-gathers one fixed-size int64 vector per
-# rank over the whole world: its dtype, shape, hashes of placement and SBP,
-# and whether it already found an error in its own arguments. Every rank sees
-# the same gathered table and so reaches the same verdict; on any mismatch a
-# second round gathers readable descriptions and every rank raises the same
-# ``ValueError``. Nothing hangs: the only collectives are fixed-size.
+# user-level ``to_global`` first makes one small, fixed-size collective over
+# the whole world's gloo group (NOTE [meta check collectives]):
+#   - local -> global (``exchange``) gathers one int64 vector per rank: its
+#     dtype, shape, hashes of placement and SBP, and whether it already found
+#     an error in its own arguments (shapes may differ by rank, and the
+#     logical shape is computed from the gathered ones);
+#   - global -> global (``agree``) only needs to know whether every rank holds
+#     the same vector, so it exchanges one hash of it.
+# Every rank sees the same gathered values and so reaches the same verdict; on
+# any mismatch a second round gathers readable descriptions and every rank
+# raises the same ``ValueError``. Nothing hangs: the collectives are
+# fixed-size and bounded by the collective timeout (SBPFLOW_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -64,6 +70,11 @@ class RankMeta:
         """``encode()``, computed once per ``RankMeta`` (never modified by the exchange)."""
         return self._encoded
 
+    @functools.cached_property
+    def digest(self) -> int:
+        """A 56-bit hash of ``encode()``: equal vectors give equal digests, different ones (but with odds 2**-56) different."""
+        return stable_hash(",".join(map(str, self._encoded)))
+
 
 @dataclass(frozen=True)
 class Gathered:
@@ -97,11 +108,10 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
 def agree(mine: RankMeta, what: str) -> None:
     """The fast form of ``exchange`` for calls whose whole vector must match on every rank.
 
-    The encoded vector is cached on ``mine``; the check is one small collective
-    and one comparison, and only a mismatch pays for readable messages.
+    The vector's hash is cached on ``mine``; the check is one all_reduce of
+    two int64 values, and only a mismatch pays for readable messages.
     """
-    vector = mine.encoded()
-    if any(row != vector for row in collectives.all_gather_meta(vector)):
+    if not collectives.same_on_every_rank(mine.digest):
         _raise_everywhere(mine, what, compare_shapes=True)
 
 

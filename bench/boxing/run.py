@@ -5,14 +5,11 @@ each layout change and logical size, implementations that produce the same
 local tensors:
 
 - sbpflow: ``g.to_global(sbp=dst)`` on a global tensor (default path, so the
-  metadata check collective is included, and on one host the data moves
-  through shared memory, NOTE [shared-memory collectives]);
+  metadata check collective is included; the data moves over gloo);
 - raw: the minimal hand-written ``torch.distributed`` code for the same result,
   returning a new tensor and leaving the input as it was (1-D cases only);
 - DTensor: ``DTensor.redistribute`` on a ``DeviceMesh("cpu", ...)``;
 - sbpflow, no meta check: ``check_meta=False`` (a reference: what the check costs);
-- sbpflow over gloo: the data collectives forced through gloo, as raw and
-  DTensor move it (a reference: the same transport as the other two);
 - collective only: the bare collective on buffers made once (1-D; a floor).
 
 # NOTE [timing]
@@ -59,7 +56,6 @@ if str(ROOT) not in sys.path:
 import sbpflow  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._layout import Layout  # noqa: E402
-from sbpflow.comm import _shared_memory, _transport  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
 
@@ -233,7 +229,6 @@ def _build(case: Case, shape: tuple[int, int], rank: int, world: int, mesh: Any)
     ops: Ops = {
         "sbpflow": (lambda: g.to_global(sbp=dst.sbp), _nothing),
         "sbpflow_unchecked": (lambda: g.to_global(sbp=dst.sbp, check_meta=False), _nothing),
-        "sbpflow_gloo": (lambda: _over_gloo(g, dst.sbp), _nothing),
         "dtensor": (lambda: _dtensor_result(d.redistribute(mesh, dst_dt)), _nothing),
     }
     if case.mesh_ndim == 1:
@@ -246,11 +241,6 @@ def _build(case: Case, shape: tuple[int, int], rank: int, world: int, mesh: Any)
         if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-5, atol=1e-4):
             raise AssertionError(f"{name} gives a wrong result for {case.name} on rank {rank}")
     return ops
-
-
-def _over_gloo(g: Any, sbp: Any) -> Any:
-    with _transport.process_group_only():  # every rank runs the same ops, so all enter it
-        return g.to_global(sbp=sbp)
 
 
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -333,18 +323,17 @@ def _ratio(a: list[float], b: list[float] | None) -> str:
 def render(results: list[dict[str, Any]]) -> str:
     lines = [
         "| case | ranks (mesh) | size | sbpflow ms | raw ms | DTensor ms "
-        "| sbpflow, no meta check ms | sbpflow over gloo ms | collective only ms "
-        "| sbpflow / raw | sbpflow / DTensor | sbpflow over gloo / DTensor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sbpflow, no meta check ms | collective only ms "
+        "| sbpflow / raw | sbpflow / DTensor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (r["mesh"].count("x"), r["ranks"], r["mib"])):
         t = r["times"]
         lines.append(
             f"| {r['case']} | {r['ranks']} ({r['mesh']}) | {r['mib']:g} MiB | {_fmt(t['sbpflow'])} "
             f"| {_fmt(t.get('raw'))} | {_fmt(t['dtensor'])} | {_fmt(t['sbpflow_unchecked'])} "
-            f"| {_fmt(t['sbpflow_gloo'])} | {_fmt(t.get('collective'))} "
-            f"| {_ratio(t['sbpflow'], t.get('raw'))} | {_ratio(t['sbpflow'], t['dtensor'])} "
-            f"| {_ratio(t['sbpflow_gloo'], t['dtensor'])} |"
+            f"| {_fmt(t.get('collective'))} "
+            f"| {_ratio(t['sbpflow'], t.get('raw'))} | {_ratio(t['sbpflow'], t['dtensor'])} |"
         )
     return "\n".join(lines)
 
@@ -375,12 +364,6 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
         if not off_target
         else ["Off target (medians):", ""] + [f"- {line}" for line in off_target]
     )
-    transport = (
-        "one host, so the data moves through the shared-memory arena of NOTE [shared-memory "
-        "collectives] and the metadata check through the shared-memory table"
-        if _shared_memory.enabled_by_environment()
-        else "data and metadata over gloo: SBPFLOW_SHARED_MEMORY=0"
-    )
     return "\n".join(
         [
             SECTION_START,
@@ -391,7 +374,7 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
             f"Reproduce: `python bench/boxing/run.py {args} --out docs/benchmarks.md`",
             "",
             "- **sbpflow**: `g.to_global(sbp=dst)`, default path (`check_meta=True`, so the small "
-            f"metadata exchange every call makes is included; here {transport}).",
+            "metadata exchange every call makes is included).",
             "- **raw**: the minimal hand-written `torch.distributed` code giving the same local tensor "
             "as a new tensor, input untouched, as the other two do: `all_gather_into_tensor`, "
             "clone + `all_reduce`, `reduce_scatter_tensor`, pack + `all_to_all_single`. 1-D only.",
@@ -399,9 +382,6 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
             "S(i) -> S(j) as all_gather + chunk).",
             "- **sbpflow, no meta check**: `g.to_global(sbp=dst, check_meta=False)`, to show what the "
             "metadata round costs (a reference; the targets use the default path).",
-            "- **sbpflow over gloo**: the default path with the data collectives forced through "
-            "gloo, as the other two move it and as sbpflow does across hosts: sbpflow's plans and "
-            "overheads against DTensor's on the same transport (a reference).",
             "- **collective only**: the bare collective on buffers made once (in-place `all_reduce`); "
             "a floor, not a like-for-like baseline: no allocation, which on this machine costs "
             "tens of ms per 64 MiB in page faults.",
@@ -418,10 +398,9 @@ def section(table: str, config: dict[str, Any], off_target: list[str], load: str
             "",
             "The machine is shared and 64 MiB ops fault in fresh pages, so single runs are noisy: the "
             "first two sbpflow columns run the same data collectives, and their spread shows how "
-            "much. The metadata check adds one synchronisation of the ranks per call (compare them); "
-            "through the shared-memory table it costs tens of microseconds plus the wait for the "
-            "last rank to arrive. Raw and DTensor move the data over gloo, that is, through "
-            "loopback TCP; sbpflow's arena copies it through shared memory once per rank.",
+            "much. The metadata check adds one small gloo collective per call (compare them; "
+            "`bench/meta_check/run.py` times it alone). All three move the data over gloo, that "
+            "is, through loopback TCP.",
             SECTION_END,
         ]
     )

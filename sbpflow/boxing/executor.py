@@ -135,7 +135,9 @@ def _run_transfer(
             recvs.append(
                 (piece.src_rank, out if whole else out.new_empty(box_shape(piece.box)), target)
             )
-    collectives.exchange(sends, [(peer, buffer) for peer, buffer, _ in recvs], dst.placement.type)
+    involved = set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)
+    buffers = [(peer, buffer) for peer, buffer, _ in recvs]
+    collectives.exchange(sends, buffers, dst.placement.type, sorted(involved))
     for _, buffer, target in recvs:
         if buffer is not out:
             assert out is not None

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _transport
+from ._compat import all_gather_single, reduce_scatter_single
 from ._errors import named
 from ._groups import group_of, world_group
 from ._world import device_for, ensure_initialized
@@ -64,18 +64,17 @@ def time_collective(
     splits[-1] += piece.numel() - sum(splits)
 
     # Out of place, as boxing runs them: every run writes a fresh buffer, so
-    # first-touch page faults of large outputs are part of the time. Through
-    # the transport boxing uses (NOTE [collective transports]).
+    # first-touch page faults of large outputs are part of the time.
     def run() -> None:
         if op == "all_reduce":
-            _transport.all_reduce_in_place(block.clone(), found, "sum")
+            dist.all_reduce(block.clone(), group=handle)
         elif op == "all_gather":
-            _transport.all_gather_into(torch.empty_like(block), piece, found)
+            all_gather_single(torch.empty_like(block), piece, group=handle)
         elif op == "reduce_scatter":
-            _transport.reduce_scatter_into(torch.empty_like(piece), block, found, "sum")
+            reduce_scatter_single(torch.empty_like(piece), block, group=handle)
         else:
             recv = torch.empty_like(piece)
-            _transport.all_to_all_into(recv, piece, splits, splits, max(splits), found)
+            dist.all_to_all_single(recv, piece, splits, splits, group=handle)
 
     best = float("inf")
     elapsed = torch.zeros(1, dtype=torch.float64, device=device)

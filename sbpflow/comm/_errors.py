@@ -21,7 +21,13 @@ def named(op: str, ranks: Sequence[int]) -> Iterator[None]:
     except (RuntimeError, ValueError) as error:  # DistBackendError subclasses RuntimeError
         text = str(error)
         hint = ""
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        lowered = text.lower()
+        if "connection closed" in lowered or "connection reset" in lowered:
+            hint = (
+                " A peer rank closed its connection: it probably exited or crashed (see its "
+                "output); the backend noticed the closed connection before the timeout."
+            )
+        elif "timed out" in lowered or "timeout" in lowered:
             hint = (
                 f" It timed out after the collective timeout ({timeout_seconds():.0f} s): a rank "
                 "probably stopped early, raised, or took a different code path. Set "

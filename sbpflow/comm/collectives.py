@@ -1,32 +1,27 @@
 """Collectives on groups of ranks, with uneven pieces and named failures.
 
 Every function takes ``group``: the tuple of member ranks in mesh order and the
-process-group handle from ``_groups.group_of`` (``None`` for one rank). Pieces
-may be uneven (balanced splits); they are padded to the largest piece for the
-wire and trimmed after. A failure (a timeout, a peer that died) is re-raised
-as ``CollectiveError`` naming the operation and the ranks.
+process-group handle from ``_groups.group_of`` (``None`` for one rank). The
+bytes move on the group's backend: gloo for CPU tensors, NCCL for CUDA tensors,
+on one host or many. Pieces may be uneven (balanced splits); they are padded to
+the largest piece for the wire and trimmed after. A failure (a timeout, a peer
+that died) is re-raised as ``CollectiveError`` naming the operation and the
+ranks.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _shared_table
+from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
-from ._groups import world_group
-from ._transport import (
-    Group,
-    all_gather_into,
-    all_reduce_in_place,
-    all_to_all_into,
-    gather_objects,
-    reduce_scatter_into,
-)
-from ._world import timeout_seconds
+from ._meta import all_gather_meta, all_gather_object, gather_objects, same_on_every_rank
+from ._p2p import exchange
+
+Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 
 __all__ = [
     "CollectiveError",
@@ -40,6 +35,7 @@ __all__ = [
     "exchange",
     "gather_objects",
     "reduce_scatter",
+    "same_on_every_rank",
 ]
 
 
@@ -62,7 +58,7 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
-    all_gather_into(out, piece, group)
+    _all_gather_into(out, piece, group)
     slot = _group_slots(ranks)
     if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
@@ -82,7 +78,7 @@ def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tens
     num = len(group[0])
     piece = local.contiguous()
     out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
-    all_gather_into(out, piece, group)
+    _all_gather_into(out, piece, group)
     shape = list(piece.shape)
     shape[dim] *= num
     return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
@@ -96,7 +92,7 @@ def _reduce_scatter_inner(
     shape[dim : dim + 1] = [num, shape[dim] // num]
     src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
     out = src.new_empty(src.shape[1:])
-    reduce_scatter_into(out, src, group, reduce_op)
+    _reduce_scatter_into(out, src, group, reduce_op)
     return out
 
 
@@ -118,7 +114,7 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
         out = local
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
-    all_reduce_in_place(out, group, reduce_op)
+    _all_reduce_in_place(out, group, reduce_op)
     return out
 
 
@@ -142,7 +138,7 @@ def reduce_scatter(
         members = order or range(len(ranks))
         src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
-    reduce_scatter_into(out, src, group, reduce_op)
+    _reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -178,10 +174,7 @@ def all_to_all(
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = local.new_empty(sum(recv_numels))
     send_numels = [c.numel() for c in send_chunks]
-    # the largest piece any member sends: the same on every member, unlike send_numels
-    rest = math.prod(n for d, n in enumerate(local.shape) if d not in (src_dim, dst_dim))
-    largest = rest * max(src_sizes) * max(dst_sizes)
-    all_to_all_into(recv, send, recv_numels, send_numels, largest, group)
+    _all_to_all_into(recv, send, recv_numels, send_numels, group)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
@@ -214,49 +207,42 @@ def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor
     return buffer
 
 
-def exchange(
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    device_type: str,
+# -- the process-group calls (pieces in process-group order, tensors contiguous) ---------
+
+
+def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
+    """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
+    ranks, handle = group
+    with named("all_gather", ranks):
+        all_gather_single(out.view(-1), piece.view(-1), group=handle)
+
+
+def _reduce_scatter_into(
+    out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
 ) -> None:
-    """Point-to-point: send each ``(peer, tensor)``, receive into each ``(peer, buffer)``."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recvs]
-    if not ops:
-        return
-    peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
-    world_group(device_type)  # make sure the world exists for this backend
-    with named("send_recv", peers):
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
+    ranks, handle = group
+    with named("reduce_scatter", ranks):
+        reduce_scatter_single(out.view(-1), block.view(-1), op=REDUCE_OPS[reduce_op], group=handle)
 
 
-def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
-    """Gather one vector of int64 values per world rank, in rank order.
-
-    Through shared memory when the whole world is on one host (NOTE
-    [shared-memory meta check]), else over gloo.
-    """
-    handle = world_group("cpu")
-    if handle is None:
-        return [list(values)]
-    world = dist.get_world_size()
-    with named("metadata check (all_gather)", range(world)):
-        width = len(values)
-        if width not in _shared_tables:
-            _shared_tables[width] = _shared_table.open_for_world(handle, width, gather_objects)
-        table = _shared_tables[width]
-        if table is not None:
-            return table.gather(values, timeout_seconds())
-        vector = torch.tensor(values, dtype=torch.int64)
-        out = vector.new_empty(world * width)
-        # An all_to_all of the vector repeated: one message to each peer, all at
-        # once, where gloo's ring all_gather takes world - 1 hops in sequence.
-        dist.all_to_all_single(out, vector.repeat(world), group=handle)
-        return out.view(world, width).tolist()
+def _all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> None:
+    ranks, handle = group
+    with named("all_reduce", ranks):
+        dist.all_reduce(tensor, op=REDUCE_OPS[reduce_op], group=handle)
 
 
-_shared_tables: dict[int, _shared_table.SharedTable | None] = {}
+def _all_to_all_into(
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    recv_numels: list[int],
+    send_numels: list[int],
+    group: Group,
+) -> None:
+    """Piece ``k`` of ``send`` to member ``k`` (process-group order)."""
+    ranks, handle = group
+    with named("all_to_all", ranks):
+        dist.all_to_all_single(recv, send, recv_numels, send_numels, group=handle)
 
 
 # NOTE [member order]
@@ -285,12 +271,3 @@ def _group_slots(ranks: Sequence[int]) -> list[int] | None:
 
 def _my_index(ranks: Sequence[int]) -> int:
     return list(ranks).index(dist.get_rank())
-
-
-def all_gather_object(obj: object) -> list:
-    """Gather one picklable object per world rank (slow path, for error reports)."""
-    handle = world_group("cpu")
-    if handle is None:
-        return [obj]
-    with named("metadata check (all_gather_object)", range(dist.get_world_size())):
-        return gather_objects(obj, handle)

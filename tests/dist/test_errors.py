@@ -212,7 +212,7 @@ def _skip_on_rank_one(check_meta: bool) -> str:
     """Box once in step, then rank 1 skips the next ``to_global``.
 
     Without the meta check the wait is in the boxing's all_gather on the group
-    of placement [1, 0]; with it, in the metadata all_gather over the world.
+    of placement [1, 0]; with it, in the metadata check's all_reduce over the world.
     The two cases use different process groups, so the first timeout cannot
     disturb the second in the same pool.
     """
@@ -239,7 +239,7 @@ def test_a_rank_skipping_to_global_times_out_with_the_op_named(
 ) -> None:
     for check_meta, op in [
         (False, r"sbpflow: all_gather over ranks \[1, 0\] failed"),
-        (True, r"sbpflow: metadata check \(all_gather\) over ranks \[0, 1\] failed"),
+        (True, r"sbpflow: metadata check \(all_reduce\) over ranks \[0, 1\] failed"),
     ]:
         outcomes = short_timeout_pool.run_expect_errors(
             _skip_on_rank_one, check_meta, timeout=WITHIN_S

@@ -1,0 +1,93 @@
+"""Small collectives over the whole world's gloo group, for the metadata check.
+
+# NOTE [meta check collectives]
+# Every checked ``to_global`` makes one of these calls, so each is a single
+# small collective, chosen by timing the candidates (bench/meta_check/run.py
+# --candidates, 2 and 4 gloo ranks on one 2-core host; medians):
+#   - ``same_on_every_rank`` (global -> global: the whole vector must match)
+#     all-reduces ``[h, -h]`` with MAX for a hash ``h`` of the vector: the
+#     ranks agree iff max(h) == min(h). Against an all_to_all of one int64 it
+#     is a little slower on 2 ranks (0.18-0.21 ms against 0.13-0.18 ms) and
+#     2-4x faster on 4 (0.8-1.1 ms against 2.1-4.0 ms); all_gather was slower
+#     than both. Its payload does not grow with the world.
+#   - ``all_gather_meta`` (local -> global: the ranks' shapes may differ, so
+#     every vector is needed) is an all_to_all of the vector repeated once per
+#     rank: one message to each peer, all at once, where gloo's ring
+#     all_gather takes world - 1 hops in sequence; it beat all_gather and an
+#     all_reduce (SUM) of a world x width table with one row set per rank.
+# Both are bounded by the world group's timeout (SBPFLOW_TIMEOUT). Only a
+# mismatch pays for ``all_gather_object`` (pickles), to word the error.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._compat import all_gather_single
+from ._errors import named
+from ._groups import world_group
+
+
+def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
+    """Gather one vector of int64 values per world rank, in rank order."""
+    handle = world_group("cpu")
+    if handle is None:
+        return [list(values)]
+    world = dist.get_world_size()
+    width = len(values)
+    vector = torch.tensor(values, dtype=torch.int64)
+    out = vector.new_empty(world * width)
+    with named("metadata check (all_gather)", range(world)):
+        dist.all_to_all_single(out, vector.repeat(world), group=handle)
+    return out.view(world, width).tolist()
+
+
+def same_on_every_rank(value: int) -> bool:
+    """Whether every world rank passed the same int64 ``value`` (a hash of its metadata).
+
+    One all_reduce (MAX) of ``[value, -value]``: it gives the largest value
+    and minus the smallest, equal on every rank, and they match only if
+    every rank passed the same value.
+    """
+    handle = world_group("cpu")
+    if handle is None:
+        return True
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    with named("metadata check (all_reduce)", range(dist.get_world_size())):
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=handle)
+    largest, minus_smallest = pair.tolist()
+    return largest == -minus_smallest
+
+
+def all_gather_object(obj: object) -> list:
+    """Gather one picklable object per world rank (slow path, for error reports)."""
+    handle = world_group("cpu")
+    if handle is None:
+        return [obj]
+    with named("metadata check (all_gather_object)", range(dist.get_world_size())):
+        return gather_objects(obj, handle)
+
+
+def gather_objects(obj: object, handle: dist.ProcessGroup) -> list:
+    """``torch.distributed.all_gather_object`` without numpy (not a dependency; torch's needs it).
+
+    Two fixed-shape all_gathers over ``handle``: the pickled sizes, then the
+    pickles padded to the longest.
+    """
+    world = dist.get_world_size(handle)
+    payload = pickle.dumps(obj)
+    mine = torch.zeros(1, dtype=torch.int64)
+    mine[0] = len(payload)
+    sizes = mine.new_empty(world)
+    all_gather_single(sizes, mine, group=handle)
+    lengths = sizes.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    if payload:
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = padded.new_empty((world, padded.numel()))
+    all_gather_single(rows.view(-1), padded, group=handle)
+    return [pickle.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(lengths)]
