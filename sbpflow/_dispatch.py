@@ -34,8 +34,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._layout import Layout
+from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
+from ._global import GlobalTensor, Meta, meta_of, wrap
+from ._layout import Layout, empty_local_shape
+from ._printing import logical_value
 from .boxing import tracing as _trace
+from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
 from .comm import _groups
 from .comm._world import get_rank
@@ -71,7 +75,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             key = fast = None
         if fast is not None:
             return _run_fast(fast, func, args, kwargs)
-    _load_rules()
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
         key = None  # whether it applies may depend on more than the key: no fast entry
@@ -84,19 +87,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _run_rule(registered, func, args, kwargs, key)
 
 
-def _load_rules() -> None:
-    global _global_type, _wrap
-    if _global_type is None:
-        from . import ops  # noqa: F401  (importing the package registers every family)
-        from .tensor import GlobalTensor, _wrap
-
-        _global_type = GlobalTensor
-
-
 @special(aten.detach.default, aten.alias.default)
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from .tensor import GlobalTensor
-
     x = args[0]
     return GlobalTensor(func(x._local), x._layout, x.shape)
 
@@ -104,8 +96,6 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @special(aten._local_scalar_dense.default, aten.item.default)
 def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``t.item()`` (and ``float(t)``, ``bool(t)``): the logical value, on every rank."""
-    from ._printing import logical_value
-
     return logical_value(args[0]).item()
 
 
@@ -130,8 +120,6 @@ _UNDECIDED: Any = object()
 def _run_rule(
     registered: _registry.Registered, func: Any, args: tuple, kwargs: dict, fast_key: Any = None
 ) -> Any:
-    from .tensor import GlobalTensor, _run_plan
-
     flat, spec = tree_flatten((args, kwargs))
     placement = _common_placement(func, flat)
     _groups.ensure_placement_groups(placement, get_rank())
@@ -156,7 +144,7 @@ def _run_rule(
         if g._layout.normalized() != layout.normalized():
             fast_key = None  # only calls that box nothing take the fast path
             assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
-            g = _run_plan(g, layout)
+            g = box_below_autograd(g, layout)
         local_flat[i] = g._local
     local_args, local_kwargs = tree_unflatten(local_flat, spec)
     rank = get_rank()
@@ -195,7 +183,7 @@ def _run_rule(
 @dataclass(frozen=True)
 class _Fast:
     op: Callable[..., Any]  # the ATen kernel itself (skips OpOverload.__call__)
-    outputs: tuple[Any, ...]  # the outputs' interned metadata (``tensor._Meta``)
+    outputs: tuple[Meta, ...]  # the outputs' interned metadata
     container: type | None  # None: one tensor output; else tuple or list of tensors
     local: Any  # the rule's local function, or None
     ctx: LocalContext | None
@@ -210,17 +198,12 @@ def _forget_decisions() -> None:
 
 
 _registry.on_change(_forget_decisions)  # a new rule replaces what was decided without it
-# Bound by _load_rules (tensor.py imports this module, so not at import time).
-_global_type: Any = None  # GlobalTensor
-_wrap: Any = None  # tensor._wrap
 
 
 def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A flat key of the call (hashable unless an argument is not), or None when the call
     cannot take the fast path."""
-    gt = _global_type
-    if gt is None:
-        return None  # no rule loaded yet
+    gt = GlobalTensor
     parts: list[Any] = [func]
     for a in args:
         if isinstance(a, gt):
@@ -242,8 +225,6 @@ def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx: Any) -> None:
-    from .tensor import _meta_of
-
     if isinstance(out, torch.Tensor):
         container, outs = None, [out]
     elif type(out) in (tuple, list) and all(isinstance(o, torch.Tensor) for o in out):
@@ -253,7 +234,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
     if decision.output_positions != tuple(range(len(outs))):
         return  # outputs the meta kernel gave and this one did not (masked backward outputs)
     metas = tuple(
-        _meta_of(layout, tuple(m.shape), o.dtype)
+        meta_of(layout, tuple(m.shape), o.dtype)
         for o, layout, m in zip(outs, decision.output_layouts, decision.output_metas, strict=True)
     )
     op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
@@ -261,7 +242,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
 
 
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    gt, wrap = _global_type, _wrap
+    gt = GlobalTensor
     local_args = [a._local if isinstance(a, gt) else a for a in args]
     if fast.local is not None:
         out = fast.local(func, tuple(local_args), kwargs, fast.ctx)
@@ -273,15 +254,11 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:
-    from .tensor import GlobalTensor
-
     marks, _ = tree_unflatten([isinstance(a, GlobalTensor) for a in flat], spec)
     return frozenset(i for i, m in enumerate(marks) if any(tree_flatten(m)[0]))
 
 
 def _common_placement(func: Any, flat: list[Any]) -> Placement:
-    from .tensor import GlobalTensor
-
     placement = None
     for a in flat:
         if isinstance(a, GlobalTensor):
@@ -297,8 +274,6 @@ def _common_placement(func: Any, flat: list[Any]) -> Placement:
 
 
 def _cache_key(func: Any, flat: list[Any]) -> Any:
-    from .tensor import GlobalTensor
-
     parts: list[Any] = [func]
     for a in flat:
         if isinstance(a, GlobalTensor):
@@ -321,8 +296,6 @@ def _cache_key(func: Any, flat: list[Any]) -> Any:
 
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        from .tensor import GlobalTensor
-
         if isinstance(a, GlobalTensor):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")
         return a.to("meta")
@@ -425,8 +398,6 @@ def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:
 
 
 def _describe(flat: list[Any]) -> str:
-    from .tensor import GlobalTensor
-
     return ", ".join(
         f"{a.sbp} {list(a.shape)}" if isinstance(a, GlobalTensor) else type(a).__name__
         for a in flat
@@ -451,8 +422,6 @@ def _mutated_ids(func: Any, args: tuple, kwargs: dict) -> set[int]:
 
 
 def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: set[int]) -> Any:
-    from .tensor import GlobalTensor
-
     by_local = {id(g._local): g for g in globals_ if id(g) in mutated}
     out_flat, out_spec = tree_flatten(out)
     index_of = {p: k for k, p in enumerate(decision.output_positions)}
@@ -478,9 +447,6 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     comes from the op on their logical metadata, not on this rank's empty
     pieces (some meta kernels divide by the input's numel).
     """
-    from ._layout import empty_local_shape
-    from .tensor import GlobalTensor
-
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
     meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
@@ -509,8 +475,6 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     An input the op writes into is boxed back to its own layout afterwards and
     copied into its local tensor, so in-place ops stay in place.
     """
-    from .tensor import GlobalTensor, _run_plan
-
     name = str(func)
     _trace.record_fallback(name)
     if name not in _warned:
@@ -528,7 +492,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for i, a in enumerate(flat):
         if isinstance(a, GlobalTensor):
             local = (
-                _run_plan(a, full) if a._layout.normalized() != full.normalized() else a
+                box_below_autograd(a, full) if a._layout.normalized() != full.normalized() else a
             )._local
             if id(a) in mutated:
                 written.append((a, local))
@@ -546,7 +510,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for g, local in written:
         by_local[id(local)] = g
         if local is not g._local:
-            g._local.copy_(_run_plan(GlobalTensor(local, full, g.shape), g._layout)._local)
+            g._local.copy_(box_below_autograd(GlobalTensor(local, full, g.shape), g._layout)._local)
     out_flat, out_spec = tree_flatten(out)
     wrapped = [
         (by_local[id(o)] if id(o) in by_local else GlobalTensor(o, full, o.shape))
