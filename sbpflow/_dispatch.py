@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
+from ._bounded import BoundedDict
 from ._global import GlobalTensor, Meta, meta_of, wrap
 from ._layout import Layout, empty_local_shape
 from ._printing import logical_value
@@ -113,7 +114,9 @@ class _Decision:
     output_positions: tuple[int, ...]
 
 
-_decisions: dict[Any, _Decision | None] = {}
+# Distinct (op, layouts, shapes, arguments) calls; a model's step makes hundreds to a few thousand.
+DECISIONS_BOUND = 4096
+_decisions: BoundedDict[Any, _Decision | None] = BoundedDict("dispatch decisions", DECISIONS_BOUND)
 _UNDECIDED: Any = object()
 
 
@@ -189,7 +192,8 @@ class _Fast:
     ctx: LocalContext | None
 
 
-_fast: dict[Any, _Fast] = {}
+FAST_BOUND = 4096
+_fast: BoundedDict[Any, _Fast] = BoundedDict("dispatch fast path", FAST_BOUND)
 
 
 def _forget_decisions() -> None:

@@ -8,6 +8,16 @@
 # ``sbpflow.tensor``, which sits above them, and ``sbpflow.tensor`` also binds
 # ``__torch_dispatch__`` to the dispatcher. So the import graph runs one way
 # (tests/unit/test_import_graph.py checks it) and an op costs no import.
+
+# NOTE [interned metadata]
+# A global tensor's (layout, logical shape, dtype) is one ``Meta`` object per
+# value while that value is in ``_metas``, so the dispatch fast path hashes and
+# compares metadata by identity (NOTE [fast path] in ``_dispatch``). ``_metas``
+# is bounded (NOTE [bounded caches]): once it has dropped a value, the next
+# tensor of that value gets a new object. Two objects of one value then
+# compare unequal, which costs a fast-path miss and nothing else. A wrong hit
+# cannot happen: a ``Meta`` never changes value, and a cache key holding one
+# keeps it alive, so its identity is never reused for another value.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ._bounded import BoundedDict
 from ._layout import Layout
 from .placement import Placement
 from .sbp import NdSbp
@@ -59,7 +70,9 @@ class Meta:
         return (meta_of, (self.layout, self.shape, self.dtype))
 
 
-_metas: dict[tuple[Any, ...], Meta] = {}
+# Distinct (layout, shape, dtype) values kept interned; a model with fixed shapes uses hundreds.
+METAS_BOUND = 4096
+_metas: BoundedDict[tuple[Any, ...], Meta] = BoundedDict("interned metas", METAS_BOUND)
 
 
 def meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Meta:

@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 
 from . import _dispatch, _meta_check
+from ._bounded import BoundedDict
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
 from ._printing import global_format, global_repr, logical_value
@@ -110,7 +111,10 @@ def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
 
 # The encoded metadata of boxing calls seen before: a training loop repeats the
 # same conversions, and encoding (string hashing) costs more than the exchange.
-_boxing_metas: dict[Any, _meta_check.RankMeta] = {}
+BOXING_METAS_BOUND = 1024
+_boxing_metas: BoundedDict[Any, _meta_check.RankMeta] = BoundedDict(
+    "boxing meta checks", BOXING_METAS_BOUND
+)
 
 
 # -- local -> global -----------------------------------------------------------------
