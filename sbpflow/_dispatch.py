@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from .boxing.planner import plan as _plan
 from .comm import _groups
 from .comm._world import get_rank
 from .ops import _registry
-from .ops._registry import LocalContext, OpInfo, Strategy, TensorMeta
+from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
 from .sbp import Broadcast, Partial
 
@@ -118,6 +117,7 @@ class _Decision:
 DECISIONS_BOUND = 4096
 _decisions: BoundedDict[Any, _Decision | None] = BoundedDict("dispatch decisions", DECISIONS_BOUND)
 _UNDECIDED: Any = object()
+_READS_FLOATS: Any = object()  # under a key with floats folded: the rule read one (NOTE [rules])
 
 
 def _run_rule(
@@ -133,12 +133,18 @@ def _run_rule(
     positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     globals_ = [flat[i] for i in positions]
     mutated = _mutated_ids(func, args, kwargs)
-    key = _cache_key(func, flat)
+    key = folded = _cache_key(func, args, kwargs, exact_floats=False)
     decision = _decisions.get(key, _UNDECIDED) if key is not None else _UNDECIDED
+    if decision is _READS_FLOATS:  # the rule reads float arguments: key them by value
+        key = _cache_key(func, args, kwargs, exact_floats=True)
+        decision = _decisions.get(key, _UNDECIDED)
     if decision is _UNDECIDED:
         kept = [k for k, g in enumerate(globals_) if id(g) in mutated]
-        decision = _decide(registered, func, flat, spec, positions, placement, kept)
+        decision, read_floats = _decide(registered, func, flat, spec, positions, placement, kept)
         if key is not None:
+            if read_floats and key is folded:
+                _decisions[folded] = _READS_FLOATS
+                key = _cache_key(func, args, kwargs, exact_floats=True)
             _decisions[key] = decision
     if decision is None:  # no strategy keeps a written input's layout
         return fallback(func, args, kwargs)
@@ -277,25 +283,35 @@ def _common_placement(func: Any, flat: list[Any]) -> Placement:
     return placement
 
 
-def _cache_key(func: Any, flat: list[Any]) -> Any:
+def _cache_key(func: Any, args: tuple, kwargs: dict, exact_floats: bool) -> Any:
+    """The decision cache's key for a call, or None when an argument is not hashable.
+
+    With ``exact_floats`` False a float argument enters only as ``float``
+    (learning rates change every step), which serves as long as the rule reads
+    no float argument (NOTE [rules]); floats inside lists are always exact.
+    """
     parts: list[Any] = [func]
-    for a in flat:
-        if isinstance(a, GlobalTensor):
-            parts.append((a._layout, tuple(a.shape), a.dtype))
-        elif isinstance(a, torch.Tensor):
-            parts.append(("t", tuple(a.shape), a.dtype))
-        elif isinstance(a, float) and a != 0 and math.isfinite(a):
-            # Learning rates and Adam's step size change every step; rules only
-            # tell 0 and non-finite floats apart (NOTE [rules]), so one entry serves.
-            parts.append(float)
-        else:
-            parts.append(a)
+    parts += (_key_part(a, exact_floats) for a in args)
+    for name, a in kwargs.items():
+        parts += (name, _key_part(a, exact_floats))
     key = tuple(parts)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _key_part(a: Any, exact_floats: bool) -> Any:
+    if isinstance(a, GlobalTensor):
+        return (a._layout, tuple(a.shape), a.dtype)
+    if isinstance(a, torch.Tensor):
+        return ("t", tuple(a.shape), a.dtype)
+    if type(a) is float and not exact_floats:
+        return float
+    if type(a) is list or type(a) is tuple:
+        return (type(a), tuple(_key_part(item, True) for item in a))
+    return (type(a), a)  # the type too: 1, 1.0 and True are equal keys
 
 
 def _to_meta(a: Any) -> Any:
@@ -316,10 +332,11 @@ def _decide(
     positions: list[int],
     placement: Placement,
     kept: list[int],
-) -> _Decision | None:
+) -> tuple[_Decision | None, bool]:
     """The cheapest N-D strategy; ``kept`` inputs (written in place) must keep their layout.
 
-    ``None`` when no strategy keeps them (the caller falls back).
+    ``None`` when no strategy keeps them (the caller falls back). Also whether
+    the rule read a float argument (then the decision holds for those values only).
     """
     meta_args, meta_kwargs = tree_unflatten([_to_meta(a) for a in flat], spec)
     meta_out = func(*meta_args, **meta_kwargs)
@@ -335,6 +352,9 @@ def _decide(
         info_flat[i] = meta
         inputs.append(meta)
     info_args, info_kwargs = tree_unflatten(info_flat, spec)
+    # Float arguments record whether the rule reads them (NOTE [rules]); lists stay as passed.
+    info_args = tuple(FloatArg(a) if type(a) is float else a for a in info_args)
+    info_kwargs = {k: FloatArg(a) if type(a) is float else a for k, a in info_kwargs.items()}
     per_axis: list[list[Strategy]] = []
     for axis, size in enumerate(placement.shape):
         now = [flat[i]._layout.normalized().sbp[axis] for i in positions]
@@ -370,9 +390,10 @@ def _decide(
                 cost += _boxing_cost(meta, have, layout)
         if best is None or cost < best[0]:
             best = (cost, ins, outs)
+    read_floats = any(type(a) is FloatArg and a.read for a in (*info_args, *info_kwargs.values()))
     if best is None:
-        return None
-    return _Decision(best[1], best[2], output_metas, output_positions)
+        return None, read_floats
+    return _Decision(best[1], best[2], output_metas, output_positions), read_floats
 
 
 def _mixes_partials(layout: Layout) -> bool:
