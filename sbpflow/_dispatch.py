@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +33,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._layout import Layout
+from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
+from ._bounded import BoundedDict
+from ._global import GlobalTensor, Meta, meta_of, wrap
+from ._layout import Layout, empty_local_shape
+from ._printing import logical_value
 from .boxing import tracing as _trace
+from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
 from .comm import _groups
 from .comm._world import get_rank
 from .ops import _registry
-from .ops._registry import LocalContext, OpInfo, Strategy, TensorMeta
+from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
 from .sbp import Broadcast, Partial
 
@@ -71,7 +75,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             key = fast = None
         if fast is not None:
             return _run_fast(fast, func, args, kwargs)
-    _load_rules()
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
         key = None  # whether it applies may depend on more than the key: no fast entry
@@ -84,19 +87,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _run_rule(registered, func, args, kwargs, key)
 
 
-def _load_rules() -> None:
-    global _global_type, _wrap
-    if _global_type is None:
-        from . import ops  # noqa: F401  (importing the package registers every family)
-        from .tensor import GlobalTensor, _wrap
-
-        _global_type = GlobalTensor
-
-
 @special(aten.detach.default, aten.alias.default)
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from .tensor import GlobalTensor
-
     x = args[0]
     return GlobalTensor(func(x._local), x._layout, x.shape)
 
@@ -104,8 +96,6 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @special(aten._local_scalar_dense.default, aten.item.default)
 def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``t.item()`` (and ``float(t)``, ``bool(t)``): the logical value, on every rank."""
-    from ._printing import logical_value
-
     return logical_value(args[0]).item()
 
 
@@ -123,15 +113,16 @@ class _Decision:
     output_positions: tuple[int, ...]
 
 
-_decisions: dict[Any, _Decision | None] = {}
+# Distinct (op, layouts, shapes, arguments) calls; a model's step makes hundreds to a few thousand.
+DECISIONS_BOUND = 4096
+_decisions: BoundedDict[Any, _Decision | None] = BoundedDict("dispatch decisions", DECISIONS_BOUND)
 _UNDECIDED: Any = object()
+_READS_FLOATS: Any = object()  # under a key with floats folded: the rule read one (NOTE [rules])
 
 
 def _run_rule(
     registered: _registry.Registered, func: Any, args: tuple, kwargs: dict, fast_key: Any = None
 ) -> Any:
-    from .tensor import GlobalTensor, _run_plan
-
     flat, spec = tree_flatten((args, kwargs))
     placement = _common_placement(func, flat)
     _groups.ensure_placement_groups(placement, get_rank())
@@ -142,12 +133,18 @@ def _run_rule(
     positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     globals_ = [flat[i] for i in positions]
     mutated = _mutated_ids(func, args, kwargs)
-    key = _cache_key(func, flat)
+    key = folded = _cache_key(func, args, kwargs, exact_floats=False)
     decision = _decisions.get(key, _UNDECIDED) if key is not None else _UNDECIDED
+    if decision is _READS_FLOATS:  # the rule reads float arguments: key them by value
+        key = _cache_key(func, args, kwargs, exact_floats=True)
+        decision = _decisions.get(key, _UNDECIDED)
     if decision is _UNDECIDED:
         kept = [k for k, g in enumerate(globals_) if id(g) in mutated]
-        decision = _decide(registered, func, flat, spec, positions, placement, kept)
+        decision, read_floats = _decide(registered, func, flat, spec, positions, placement, kept)
         if key is not None:
+            if read_floats and key is folded:
+                _decisions[folded] = _READS_FLOATS
+                key = _cache_key(func, args, kwargs, exact_floats=True)
             _decisions[key] = decision
     if decision is None:  # no strategy keeps a written input's layout
         return fallback(func, args, kwargs)
@@ -156,7 +153,7 @@ def _run_rule(
         if g._layout.normalized() != layout.normalized():
             fast_key = None  # only calls that box nothing take the fast path
             assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
-            g = _run_plan(g, layout)
+            g = box_below_autograd(g, layout)
         local_flat[i] = g._local
     local_args, local_kwargs = tree_unflatten(local_flat, spec)
     rank = get_rank()
@@ -195,13 +192,14 @@ def _run_rule(
 @dataclass(frozen=True)
 class _Fast:
     op: Callable[..., Any]  # the ATen kernel itself (skips OpOverload.__call__)
-    outputs: tuple[Any, ...]  # the outputs' interned metadata (``tensor._Meta``)
+    outputs: tuple[Meta, ...]  # the outputs' interned metadata
     container: type | None  # None: one tensor output; else tuple or list of tensors
     local: Any  # the rule's local function, or None
     ctx: LocalContext | None
 
 
-_fast: dict[Any, _Fast] = {}
+FAST_BOUND = 4096
+_fast: BoundedDict[Any, _Fast] = BoundedDict("dispatch fast path", FAST_BOUND)
 
 
 def _forget_decisions() -> None:
@@ -210,17 +208,12 @@ def _forget_decisions() -> None:
 
 
 _registry.on_change(_forget_decisions)  # a new rule replaces what was decided without it
-# Bound by _load_rules (tensor.py imports this module, so not at import time).
-_global_type: Any = None  # GlobalTensor
-_wrap: Any = None  # tensor._wrap
 
 
 def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A flat key of the call (hashable unless an argument is not), or None when the call
     cannot take the fast path."""
-    gt = _global_type
-    if gt is None:
-        return None  # no rule loaded yet
+    gt = GlobalTensor
     parts: list[Any] = [func]
     for a in args:
         if isinstance(a, gt):
@@ -242,8 +235,6 @@ def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx: Any) -> None:
-    from .tensor import _meta_of
-
     if isinstance(out, torch.Tensor):
         container, outs = None, [out]
     elif type(out) in (tuple, list) and all(isinstance(o, torch.Tensor) for o in out):
@@ -253,7 +244,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
     if decision.output_positions != tuple(range(len(outs))):
         return  # outputs the meta kernel gave and this one did not (masked backward outputs)
     metas = tuple(
-        _meta_of(layout, tuple(m.shape), o.dtype)
+        meta_of(layout, tuple(m.shape), o.dtype)
         for o, layout, m in zip(outs, decision.output_layouts, decision.output_metas, strict=True)
     )
     op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
@@ -261,7 +252,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
 
 
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    gt, wrap = _global_type, _wrap
+    gt = GlobalTensor
     local_args = [a._local if isinstance(a, gt) else a for a in args]
     if fast.local is not None:
         out = fast.local(func, tuple(local_args), kwargs, fast.ctx)
@@ -273,15 +264,11 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:
-    from .tensor import GlobalTensor
-
     marks, _ = tree_unflatten([isinstance(a, GlobalTensor) for a in flat], spec)
     return frozenset(i for i, m in enumerate(marks) if any(tree_flatten(m)[0]))
 
 
 def _common_placement(func: Any, flat: list[Any]) -> Placement:
-    from .tensor import GlobalTensor
-
     placement = None
     for a in flat:
         if isinstance(a, GlobalTensor):
@@ -296,21 +283,17 @@ def _common_placement(func: Any, flat: list[Any]) -> Placement:
     return placement
 
 
-def _cache_key(func: Any, flat: list[Any]) -> Any:
-    from .tensor import GlobalTensor
+def _cache_key(func: Any, args: tuple, kwargs: dict, exact_floats: bool) -> Any:
+    """The decision cache's key for a call, or None when an argument is not hashable.
 
+    With ``exact_floats`` False a float argument enters only as ``float``
+    (learning rates change every step), which serves as long as the rule reads
+    no float argument (NOTE [rules]); floats inside lists are always exact.
+    """
     parts: list[Any] = [func]
-    for a in flat:
-        if isinstance(a, GlobalTensor):
-            parts.append((a._layout, tuple(a.shape), a.dtype))
-        elif isinstance(a, torch.Tensor):
-            parts.append(("t", tuple(a.shape), a.dtype))
-        elif isinstance(a, float) and a != 0 and math.isfinite(a):
-            # Learning rates and Adam's step size change every step; rules only
-            # tell 0 and non-finite floats apart (NOTE [rules]), so one entry serves.
-            parts.append(float)
-        else:
-            parts.append(a)
+    parts += (_key_part(a, exact_floats) for a in args)
+    for name, a in kwargs.items():
+        parts += (name, _key_part(a, exact_floats))
     key = tuple(parts)
     try:
         hash(key)
@@ -319,10 +302,20 @@ def _cache_key(func: Any, flat: list[Any]) -> Any:
     return key
 
 
+def _key_part(a: Any, exact_floats: bool) -> Any:
+    if isinstance(a, GlobalTensor):
+        return (a._layout, tuple(a.shape), a.dtype)
+    if isinstance(a, torch.Tensor):
+        return ("t", tuple(a.shape), a.dtype)
+    if type(a) is float and not exact_floats:
+        return float
+    if type(a) is list or type(a) is tuple:
+        return (type(a), tuple(_key_part(item, True) for item in a))
+    return (type(a), a)  # the type too: 1, 1.0 and True are equal keys
+
+
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        from .tensor import GlobalTensor
-
         if isinstance(a, GlobalTensor):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")
         return a.to("meta")
@@ -339,10 +332,11 @@ def _decide(
     positions: list[int],
     placement: Placement,
     kept: list[int],
-) -> _Decision | None:
+) -> tuple[_Decision | None, bool]:
     """The cheapest N-D strategy; ``kept`` inputs (written in place) must keep their layout.
 
-    ``None`` when no strategy keeps them (the caller falls back).
+    ``None`` when no strategy keeps them (the caller falls back). Also whether
+    the rule read a float argument (then the decision holds for those values only).
     """
     meta_args, meta_kwargs = tree_unflatten([_to_meta(a) for a in flat], spec)
     meta_out = func(*meta_args, **meta_kwargs)
@@ -358,6 +352,9 @@ def _decide(
         info_flat[i] = meta
         inputs.append(meta)
     info_args, info_kwargs = tree_unflatten(info_flat, spec)
+    # Float arguments record whether the rule reads them (NOTE [rules]); lists stay as passed.
+    info_args = tuple(FloatArg(a) if type(a) is float else a for a in info_args)
+    info_kwargs = {k: FloatArg(a) if type(a) is float else a for k, a in info_kwargs.items()}
     per_axis: list[list[Strategy]] = []
     for axis, size in enumerate(placement.shape):
         now = [flat[i]._layout.normalized().sbp[axis] for i in positions]
@@ -393,9 +390,10 @@ def _decide(
                 cost += _boxing_cost(meta, have, layout)
         if best is None or cost < best[0]:
             best = (cost, ins, outs)
+    read_floats = any(type(a) is FloatArg and a.read for a in (*info_args, *info_kwargs.values()))
     if best is None:
-        return None
-    return _Decision(best[1], best[2], output_metas, output_positions)
+        return None, read_floats
+    return _Decision(best[1], best[2], output_metas, output_positions), read_floats
 
 
 def _mixes_partials(layout: Layout) -> bool:
@@ -425,8 +423,6 @@ def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:
 
 
 def _describe(flat: list[Any]) -> str:
-    from .tensor import GlobalTensor
-
     return ", ".join(
         f"{a.sbp} {list(a.shape)}" if isinstance(a, GlobalTensor) else type(a).__name__
         for a in flat
@@ -451,8 +447,6 @@ def _mutated_ids(func: Any, args: tuple, kwargs: dict) -> set[int]:
 
 
 def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: set[int]) -> Any:
-    from .tensor import GlobalTensor
-
     by_local = {id(g._local): g for g in globals_ if id(g) in mutated}
     out_flat, out_spec = tree_flatten(out)
     index_of = {p: k for k, p in enumerate(decision.output_positions)}
@@ -478,9 +472,6 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     comes from the op on their logical metadata, not on this rank's empty
     pieces (some meta kernels divide by the input's numel).
     """
-    from ._layout import empty_local_shape
-    from .tensor import GlobalTensor
-
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
     meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
@@ -509,8 +500,6 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     An input the op writes into is boxed back to its own layout afterwards and
     copied into its local tensor, so in-place ops stay in place.
     """
-    from .tensor import GlobalTensor, _run_plan
-
     name = str(func)
     _trace.record_fallback(name)
     if name not in _warned:
@@ -528,7 +517,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for i, a in enumerate(flat):
         if isinstance(a, GlobalTensor):
             local = (
-                _run_plan(a, full) if a._layout.normalized() != full.normalized() else a
+                box_below_autograd(a, full) if a._layout.normalized() != full.normalized() else a
             )._local
             if id(a) in mutated:
                 written.append((a, local))
@@ -546,7 +535,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for g, local in written:
         by_local[id(local)] = g
         if local is not g._local:
-            g._local.copy_(_run_plan(GlobalTensor(local, full, g.shape), g._layout)._local)
+            g._local.copy_(box_below_autograd(GlobalTensor(local, full, g.shape), g._layout)._local)
     out_flat, out_spec = tree_flatten(out)
     wrapped = [
         (by_local[id(o)] if id(o) in by_local else GlobalTensor(o, full, o.shape))

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ._global import GlobalTensor
 from ._layout import Layout, empty_local_shape, partial_piece
 from .comm._world import device_for, get_rank
 from .placement import Placement
 from .sbp import normalize
-from .tensor import GlobalTensor
 
 __all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
 

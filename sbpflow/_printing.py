@@ -11,17 +11,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ._global import GlobalTensor
 from ._layout import Layout
+from .boxing._redistribute import box_below_autograd
 from .comm._world import get_world_size
 from .placement import Placement
 from .sbp import Broadcast, sbp_str
-
-if TYPE_CHECKING:
-    from .tensor import GlobalTensor
 
 __all__ = ["global_format", "global_repr", "logical_value"]
 
@@ -36,13 +35,11 @@ def _reading_placement(placement: Placement) -> Placement:
 
 def logical_value(t: GlobalTensor) -> torch.Tensor:
     """The whole logical tensor as a plain (detached) tensor on every rank. A collective."""
-    from .tensor import _run_plan
-
     target = _reading_placement(t.placement)
     dst = Layout(target, tuple(Broadcast() for _ in range(target.ndim)))
     if t._layout.normalized() == dst.normalized():
         return t._local.detach()
-    return _run_plan(t, dst)._local.detach()
+    return box_below_autograd(t, dst)._local.detach()
 
 
 def global_repr(t: GlobalTensor) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._global import GlobalTensor
 from ._layout import Box, Layout, box_shape
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, Partial, normalize, sbp_str
@@ -185,8 +186,6 @@ def visualize(
 def _arguments(
     value: Any, placement: Placement | None, sbp: Any
 ) -> tuple[tuple[int, ...], Placement, NdSbp]:
-    from .tensor import GlobalTensor
-
     if isinstance(value, GlobalTensor):
         if placement is not None or sbp is not None:
             raise TypeError(

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path
 
+from .._global import GlobalTensor
 from .._layout import Layout, local_piece
+from ..boxing._redistribute import box_below_autograd
 from ..sbp import Broadcast, Partial, SbpParallel, Split
 from ._registry import OpInfo, Strategy, TensorMeta, bind
 
@@ -111,11 +113,9 @@ def normalize_dim(dim: int, ndim: int) -> int:
 def box_to(local: torch.Tensor, layout: Layout, shape: Sequence[int], dst: Layout) -> torch.Tensor:
     """This rank's piece after boxing a global tensor (``local`` laid out as ``layout``,
     logical ``shape``) to ``dst``. Not differentiable: ``local`` functions run below autograd."""
-    from ..tensor import GlobalTensor, _run_plan
-
     if layout == dst:
         return local
-    return _run_plan(GlobalTensor(local.contiguous(), layout, tuple(shape)), dst)._local
+    return box_below_autograd(GlobalTensor(local.contiguous(), layout, tuple(shape)), dst)._local
 
 
 def gather_splits(layout: Layout) -> Layout:

@@ -13,10 +13,15 @@
 # register a ``local`` function that receives the local arguments and a
 # ``LocalContext`` describing the chosen layouts.
 #
-# Decisions are cached per op, input layouts/shapes/dtypes and arguments, but
-# float arguments enter the key only as "0", "non-finite" or "some float"
-# (learning rates change every step): a rule must not depend on other float
-# values. ``local`` functions see the actual values.
+# Decisions are cached per op, input layouts/shapes/dtypes and arguments.
+# A float argument (a learning rate, Adam's step size: new every step) reaches
+# the rule as a ``FloatArg``, which behaves as the float and records that the
+# rule read it. A decision whose rule read no float argument is cached for any
+# float values; one whose rule read a float (compared it, did arithmetic with
+# it, converted it) is cached under the exact float values, so another value
+# asks the rule again. Rules need not declare anything. Floats inside lists
+# (``float[]`` arguments such as scale factors) are always keyed exactly.
+# ``local`` functions see the actual values.
 #
 # A few ops are not one local computation in any layout (foreach ops over
 # lists of differently laid-out tensors, the AMP inf check whose flag must
@@ -38,6 +43,7 @@ from .._layout import Layout
 from ..sbp import Broadcast, Partial, SbpParallel, Split
 
 __all__ = [
+    "FloatArg",
     "LocalContext",
     "OpInfo",
     "Rule",
@@ -69,6 +75,52 @@ class TensorMeta:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+class FloatArg:
+    """A float argument as a rule sees it: behaves as the float, and records being read.
+
+    Comparing, converting (``float(x)``, ``math.isinf(x)``), formatting or
+    computing with it sets ``read``; then the dispatcher caches the rule's
+    decision under the exact value (NOTE [rules]). ``isinstance(x, float)`` is
+    True, and does not count as a read: it tells no value apart. An operation
+    not defined here raises ``TypeError`` rather than treating it as a float.
+    """
+
+    __slots__ = ("_value", "read")
+
+    def __init__(self, value: float) -> None:
+        self._value = value
+        self.read = False
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(x, float) holds, as for the float itself
+        return float
+
+    def value(self) -> float:
+        """The float, marking it read."""
+        self.read = True
+        return self._value
+
+
+def _reading(name: str) -> Any:
+    def method(self: FloatArg, *args: Any) -> Any:
+        args = tuple(a.value() if type(a) is FloatArg else a for a in args)
+        return getattr(self.value(), name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__float__", "__int__", "__bool__", "__hash__", "__repr__", "__str__", "__format__",
+    "__round__", "__trunc__", "__floor__", "__ceil__", "__neg__", "__pos__", "__abs__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
+    "__rpow__", "__divmod__", "__rdivmod__", "is_integer", "as_integer_ratio", "hex",
+):  # fmt: skip
+    setattr(FloatArg, _name, _reading(_name))
 
 
 @dataclass

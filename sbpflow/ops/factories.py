@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .. import _factories
+from .._global import GlobalTensor
 from ..sbp import Broadcast, SbpParallel, Split
 from ._registry import LocalContext, OpInfo, Strategy, bind, register, register_decomposition
 
@@ -69,9 +71,6 @@ def new(info: OpInfo) -> list[Strategy]:
 
 
 def _random_like(func: Any, args: tuple, kwargs: dict) -> Any:
-    from .. import _factories
-    from ..tensor import GlobalTensor
-
     x = args[0]
     if not isinstance(x, GlobalTensor):
         return NotImplemented

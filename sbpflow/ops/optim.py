@@ -5,7 +5,7 @@
 # path for global parameters (foreach needs plain tensors), so their updates
 # are the pointwise in-place ops (add_, mul_, lerp_, addcmul_, addcdiv_, sqrt,
 # ...) of pointwise.py. Each parameter's gradient arrives in the parameter's
-# own layout (the leaf hook in tensor.py), so every update is local.
+# own layout (``keep_grad_layout`` in _global.py), so every update is local.
 #
 # ``foreach=True`` (or a caller using ``torch._foreach_*`` directly) reaches
 # dispatch with lists of tensors laid out differently; each list position is
@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from .._global import GlobalTensor
 from .._layout import Layout
+from ..boxing._redistribute import box_below_autograd
 from ..comm._world import get_rank
 from ..placement import Placement
 from ..sbp import Broadcast, Partial
@@ -96,8 +98,6 @@ register_decomposition(*_foreach_packets())(foreach)
 @register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)
 def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
     """Unscale every gradient in place; found_inf becomes the max over all ranks holding them."""
-    from ..tensor import GlobalTensor
-
     grads, found_inf, inv_scale = args
     if isinstance(found_inf, GlobalTensor) or isinstance(inv_scale, GlobalTensor):
         raise NotImplementedError(
@@ -116,11 +116,9 @@ def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
 
 def _max_over_ranks(flag: torch.Tensor, placements: list[Placement]) -> torch.Tensor:
     """All_reduce(max) of a 0-dim flag over the union of ``placements``' ranks."""
-    from ..tensor import GlobalTensor, _run_plan
-
     ranks = sorted({r for pl in placements for r in pl.flat_ranks})
     union = Placement(placements[0].type, ranks)
     if get_rank() not in union:
         return flag
     partial = GlobalTensor(flag, Layout(union, (Partial("max"),)), ())
-    return _run_plan(partial, Layout(union, (Broadcast(),)))._local.to(flag.device)
+    return box_below_autograd(partial, Layout(union, (Broadcast(),)))._local.to(flag.device)

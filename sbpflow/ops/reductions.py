@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .._global import GlobalTensor
 from .._layout import Layout
 from ..sbp import Broadcast, Partial, SbpParallel, Split
 from ._registry import LocalContext, OpInfo, Strategy, bind, register, register_decomposition
@@ -165,8 +166,6 @@ def vector_norm_rule(info: OpInfo) -> list[Strategy]:
 @register_decomposition(aten.linalg_vector_norm)
 def vector_norm_over_split(func: Any, args: tuple, kwargs: dict) -> Any:
     """A finite p-norm over a split dim: ``(sum |x|^p)^(1/p)`` with one all_reduce of the sum."""
-    from ..tensor import GlobalTensor
-
     x = args[0]
     if not isinstance(x, GlobalTensor):
         return NotImplemented

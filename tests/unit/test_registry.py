@@ -8,6 +8,7 @@ matmul table of DESIGN §4, partial outputs for reductions over split dims.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import sbpflow
 from sbpflow._layout import Layout
 from sbpflow.ops import _registry, matmul, pointwise, reductions  # noqa: F401
-from sbpflow.ops._registry import LocalContext, OpInfo, Strategy, TensorMeta, bind
+from sbpflow.ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta, bind
 from sbpflow.sbp import Broadcast, Partial, Split
 
 aten = torch.ops.aten
@@ -207,3 +208,32 @@ def test_like_ops_follow_the_input_without_boxing() -> None:
     assert found.rule(info(aten.ones_like.default, meta(4, 3), current=[P])) == [
         Strategy((P,), (B,))
     ]
+
+
+# -- float arguments (NOTE [rules]) ------------------------------------------------------
+
+
+def test_a_float_argument_records_whether_a_rule_read_it() -> None:
+    """A rule sees FloatArg where the op got a float; compared with the plain float's behaviour."""
+    untouched = FloatArg(0.5)
+    assert isinstance(untouched, float) and untouched is untouched
+    assert not untouched.read  # isinstance and identity tell no value apart
+    reads = [
+        lambda x: x > 0.25,
+        lambda x: 0.25 < x,  # noqa: SIM300  (the float on the left: reflected comparison)
+        lambda x: x == 0.5,
+        lambda x: bool(x),
+        lambda x: float(x),
+        lambda x: math.isinf(x),
+        lambda x: 2 * x,
+        lambda x: x - 1,
+        lambda x: f"{x:.3f}",
+        lambda x: round(x),
+        lambda x: hash(x),
+    ]
+    for read in reads:
+        x = FloatArg(0.5)
+        assert read(x) == read(0.5)
+        assert x.read
+    with pytest.raises(AttributeError):
+        FloatArg(0.5).conjugate()  # not defined here: an error, never a silent non-read

@@ -1,0 +1,226 @@
+"""The global tensor type: a wrapper subclass around this rank's local tensor, and its metadata.
+
+# NOTE [tensor layers]
+# ``GlobalTensor`` is defined here, below every module that unwraps and wraps
+# it: the dispatcher and its rules, boxing and printing import this module at
+# top. The methods that need those layers (``to_global``, ``to_local``,
+# printing and reading the logical value) are set on the class by
+# ``sbpflow.tensor``, which sits above them, and ``sbpflow.tensor`` also binds
+# ``__torch_dispatch__`` to the dispatcher. So the import graph runs one way
+# (tests/unit/test_import_graph.py checks it) and an op costs no import.
+
+# NOTE [interned metadata]
+# A global tensor's (layout, logical shape, dtype) is one ``Meta`` object per
+# value while that value is in ``_metas``, so the dispatch fast path hashes and
+# compares metadata by identity (NOTE [fast path] in ``_dispatch``). ``_metas``
+# is bounded (NOTE [bounded caches]): once it has dropped a value, the next
+# tensor of that value gets a new object. Two objects of one value then
+# compare unequal, which costs a fast-path miss and nothing else. A wrong hit
+# cannot happen: a ``Meta`` never changes value, and a cache key holding one
+# keeps it alive, so its identity is never reused for another value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._bounded import BoundedDict
+from ._layout import Layout
+from .placement import Placement
+from .sbp import NdSbp
+
+__all__ = [
+    "GlobalTensor",
+    "Meta",
+    "as_global_grad",
+    "bind_dispatcher",
+    "is_global",
+    "keep_grad_layout",
+    "meta_of",
+    "wrap",
+]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class Meta:
+    """A global tensor's (layout, logical shape, dtype), interned: one object per value.
+
+    Compared and hashed by identity, so the dispatch fast path builds and looks
+    up its cache key without hashing layouts.
+    """
+
+    __slots__ = ("dtype", "layout", "shape", "strides")
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.layout, self.shape, self.dtype = layout, shape, dtype
+        self.strides = _contiguous_strides(shape)
+
+    def __reduce__(self) -> Any:  # pickling and deepcopy re-intern
+        return (meta_of, (self.layout, self.shape, self.dtype))
+
+
+# Distinct (layout, shape, dtype) values kept interned; a model with fixed shapes uses hundreds.
+METAS_BOUND = 4096
+_metas: BoundedDict[tuple[Any, ...], Meta] = BoundedDict("interned metas", METAS_BOUND)
+
+
+def meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Meta:
+    key = (layout, shape, dtype)
+    meta = _metas.get(key)
+    if meta is None:
+        meta = _metas[key] = Meta(layout, shape, dtype)
+    return meta
+
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+def wrap(
+    local: torch.Tensor, meta: Meta, requires_grad: bool = False, cls: type | None = None
+) -> GlobalTensor:
+    """``GlobalTensor(local, meta.layout, meta.shape)`` from interned metadata (the fast path)."""
+    self: GlobalTensor = _make_wrapper_subclass(
+        cls or GlobalTensor,
+        meta.shape,
+        strides=meta.strides,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=requires_grad,
+    )
+    self._local = local
+    self._meta = meta
+    return self
+
+
+def _unbound_dispatcher(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    raise RuntimeError(f"{func} on a global tensor before sbpflow.tensor bound the dispatcher.")
+
+
+_dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
+
+
+def bind_dispatcher(dispatch: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
+    """Route every ATen op on a global tensor to ``dispatch`` (NOTE [tensor layers])."""
+    global _dispatcher
+    _dispatcher = dispatch
+
+
+class GlobalTensor(torch.Tensor):
+    """A logical tensor spread over a placement. ``.shape``/``.dtype`` are logical.
+
+    ``to_global``, ``to_local`` and the methods reading the logical value are
+    set by ``sbpflow.tensor`` (NOTE [tensor layers]).
+    """
+
+    _local: torch.Tensor
+    _meta: Meta  # (layout, shape, dtype) interned, for the dispatch fast path
+    to_global: Callable[..., GlobalTensor]
+    to_local: Callable[[], torch.Tensor]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(
+        cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
+    ) -> GlobalTensor:
+        self = wrap(local, meta_of(layout, tuple(shape), local.dtype), requires_grad, cls)
+        if requires_grad:
+            keep_grad_layout(self)
+        return self
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return _dispatcher(func, args, kwargs or {})
+
+    # -- metadata ---------------------------------------------------------------------
+    @property
+    def _layout(self) -> Layout:
+        return self._meta.layout
+
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> NdSbp:
+        """One SBP per placement axis, as a tuple."""
+        return self._layout.sbp
+
+    @property
+    def is_global(self) -> bool:
+        return True
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    # -- autograd -------------------------------------------------------------------
+    def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
+        """As ``torch.Tensor.requires_grad_``; a leaf's gradient then keeps its layout."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            keep_grad_layout(self)
+        return self
+
+    @property
+    def requires_grad(self) -> bool:
+        return _TENSOR_REQUIRES_GRAD.__get__(self)  # type: ignore[attr-defined]
+
+    @requires_grad.setter
+    def requires_grad(self, requires_grad: bool) -> None:
+        """``t.requires_grad = True`` does what ``t.requires_grad_()`` does."""
+        self.requires_grad_(requires_grad)
+
+
+_TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+
+
+def is_global(x: object) -> bool:
+    return isinstance(x, GlobalTensor)
+
+
+def keep_grad_layout(leaf: torch.Tensor) -> None:
+    """Make ``leaf``'s incoming gradient arrive in ``leaf``'s own layout (idempotent).
+
+    A parameter's gradient can come out of the backward pass partial or split
+    (a broadcast weight times a split batch gives a partial-sum gradient). A
+    hook boxes it to the parameter's layout before it is accumulated into
+    ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
+    so ``optimizer.step()`` is purely local.
+    """
+    if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
+        return
+    owner = weakref.ref(leaf)
+
+    def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        param = owner()
+        if param is None or not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
+            return None
+        # The ranks agree by construction (the same backward on every rank): no meta check.
+        return grad.to_global(param.placement, param.sbp, check_meta=False)
+
+    leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
+
+
+def as_global_grad(grad: Any, where: str) -> GlobalTensor:
+    """``grad``, checked to be global (a global tensor's gradient must be)."""
+    if not isinstance(grad, GlobalTensor):
+        raise TypeError(
+            f"the gradient reaching {where} is a plain {type(grad).__name__}, expected a global "
+            "tensor; a global tensor's gradient must itself be global."
+        )
+    return grad

@@ -1,0 +1,78 @@
+"""Caches keyed by shapes stay under their bounds when shapes keep changing (NOTE [bounded caches]).
+
+Variable sequence lengths give every step new shapes: 5,000 distinct shapes go
+through ``to_global`` (local -> S(0), then boxing S(0) -> B with the meta check)
+and an add, and afterwards every cache is at most its bound. The
+values are compared with plain single-process PyTorch computed in the same job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import _bounded, _dispatch, _global, tensor
+from sbpflow.boxing import _transfer, planner
+from sbpflow.ops import views
+from sbpflow.sbp import broadcast, split
+from sbpflow.testing import DistributedPool
+
+NUM_SHAPES = 5000
+
+
+def cache_sizes() -> dict[str, tuple[int, int]]:
+    """Every cache keyed by shapes: name -> (entries now, bound). The one list of them."""
+    bounded = [
+        (_global._metas, _global.METAS_BOUND),
+        (tensor._boxing_metas, tensor.BOXING_METAS_BOUND),
+        (_dispatch._decisions, _dispatch.DECISIONS_BOUND),
+        (_dispatch._fast, _dispatch.FAST_BOUND),
+    ]
+    sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
+    # A BoundedDict added later must be listed here too, with its module's named bound.
+    assert set(sizes) == set(_bounded.bounded_caches()), sorted(_bounded.bounded_caches())
+    sizes["planner hot plans"] = (len(planner._hot), planner._HOT_LIMIT)
+    for fn in (
+        planner._cached_plan,
+        _transfer.flat_boxes,
+        _transfer._pieces,
+        views._pieces_line_up,
+    ):
+        info = fn.cache_info()
+        sizes[fn.__qualname__] = (info.currsize, info.maxsize)
+    return sizes
+
+
+def _many_shapes(first: int, stop: int) -> list[int]:
+    """Shapes (k, 4) per rank for k in [first, stop); returns the k whose values were wrong."""
+    rank, world = sbpflow.env.get_rank(), sbpflow.env.get_world_size()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    wrong = []
+    for k in range(first, stop):
+        local = torch.arange(k * 4.0).reshape(k, 4) + 1000 * rank
+        # The logical shape is given, so only the boxing below runs a meta check.
+        x = local.to_global(placement, split(0), shape=(world * k, 4), check_meta=False)
+        y = x.to_global(sbp=broadcast)  # the meta check, then all_gather
+        total = y + y  # a new decision (and fast-path entry) per shape
+        if k % 500 == 0 or k == 1:  # the values, on a sample of the shapes
+            pieces = [torch.arange(k * 4.0).reshape(k, 4) + 1000 * r for r in range(world)]
+            if not torch.equal(total.to_local(), 2 * torch.cat(pieces)):
+                wrong.append(k)
+    return wrong
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_caches_stay_bounded_under_changing_shapes(dist_pool: DistributedPool) -> None:
+    chunk = 1000  # one job per chunk keeps each well inside the pool's timeout
+    for first in range(1, NUM_SHAPES + 1, chunk):
+        assert dist_pool.run(_many_shapes, first, min(first + chunk, NUM_SHAPES + 1)) == [[], []]
+    # The first shapes' metas, decisions and fast entries were dropped long ago: still right.
+    assert dist_pool.run(_many_shapes, 1, 2) == [[], []]
+    for sizes in dist_pool.run(cache_sizes):
+        for name, (size, bound) in sizes.items():
+            assert size <= bound, f"{name}: {size} entries, bound {bound}"
+        # Each of these saw more new keys than its bound: it was full and dropped entries.
+        full = ("interned metas", "boxing meta checks", "dispatch decisions", "dispatch fast path")
+        for name in full:
+            assert sizes[name][0] == sizes[name][1], (name, sizes[name])

@@ -1,0 +1,114 @@
+"""sbpflow's intra-package imports form no cycle (NOTE [tensor layers] in sbpflow/_global.py).
+
+The graph is built from the source with ``ast``: every ``import`` statement, at
+module level or inside a function, is an edge from the importing module to the
+module it names. Two kinds of import are left out, and why:
+
+- ``if TYPE_CHECKING:`` blocks never run, so they cannot take part in a cycle.
+- The implicit import of a module's parent packages. Python runs
+  ``sbpflow/__init__.py`` before any submodule, and ``__init__`` re-exports
+  names from every submodule, so counting it would put every module on a cycle.
+  A submodule that imports a *name* from a package's ``__init__`` (rather than
+  a submodule) does get an edge to that ``__init__``, so a real cycle through
+  a re-export is still caught.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+import sbpflow
+
+PACKAGE = Path(sbpflow.__file__).resolve().parent
+
+
+def _modules(package: Path) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, whether it is a package ``__init__``)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = [package.name, *path.relative_to(package).with_suffix("").parts]
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        found[".".join(parts)] = (path, is_package)
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, outside ``if TYPE_CHECKING:`` blocks."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def import_graph(package: Path) -> nx.DiGraph:
+    """Edges importer -> imported between the modules of ``package``."""
+    modules = _modules(package)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, (path, is_package) in modules.items():
+        here = name if is_package else name.rpartition(".")[0]
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                # ``from pkg import x``: the submodule ``pkg.x`` if there is one, else pkg itself.
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                    for alias in node.names
+                ]
+            for target in targets:
+                if target in modules and target != name:
+                    graph.add_edge(name, target, line=node.lineno)
+    return graph
+
+
+def test_sbpflow_imports_have_no_cycle() -> None:
+    graph = import_graph(PACKAGE)
+    # The graph is the real one: the layers named in DESIGN.md import each other.
+    assert graph.has_edge("sbpflow._dispatch", "sbpflow._global")
+    assert graph.has_edge("sbpflow.tensor", "sbpflow._dispatch")
+    assert graph.has_edge("sbpflow.boxing._redistribute", "sbpflow.boxing.executor")
+    cycles = list(nx.simple_cycles(graph))
+    described = [" -> ".join([*c, c[0]]) for c in sorted(cycles, key=len)[:5]]
+    assert not cycles, f"{len(cycles)} import cycle(s), e.g.:\n" + "\n".join(described)
+
+
+def test_a_function_level_import_cycle_is_found(tmp_path: Path) -> None:
+    """The checker sees imports inside functions and skips TYPE_CHECKING blocks."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .a import f\n")
+    (package / "a.py").write_text("def f():\n    from .b import g\n    return g()\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .c import h\n"
+        "def g():\n    from . import a\n    return 1\n"
+    )
+    (package / "c.py").write_text("from .b import g\n")
+    graph = import_graph(package)
+    assert sorted(map(sorted, nx.simple_cycles(graph))) == [["pkg.a", "pkg.b"]]
+    assert not graph.has_edge("pkg.b", "pkg.c")
