@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._layout import Layout
+from ._lazy_bits import resolve_arguments
 from .boxing import tracing as _trace
 from .boxing.planner import plan as _plan
 from .comm import _groups
@@ -72,6 +73,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if fast is not None:
             return _run_fast(fast, func, args, kwargs)
     _load_rules()
+    args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
         key = None  # whether it applies may depend on more than the key: no fast entry

@@ -23,6 +23,7 @@ import torch
 
 from . import _meta_check
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
+from ._lazy_bits import resolved
 from .boxing import executor
 from .boxing import tracing as _trace
 from .boxing.planner import plan as _plan
@@ -403,6 +404,7 @@ def to_global(
         return x.to_global(placement, sbp, check_meta=check_meta)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
+    x = resolved(x)  # NOTE [lazy bits]: a conj/neg view's flag would not reach the locals
     if placement is None or sbp is None:
         raise ValueError(
             "converting a local tensor needs both placement and sbp, e.g. "

@@ -13,5 +13,6 @@ from . import (  # noqa: F401  (importing a family registers its rules)
     optim,
     pointwise,
     reductions,
+    storage,
     views,
 )
