@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._layout import Layout
 from ._lazy_bits import resolve_arguments
+from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing.planner import plan as _plan
 from .comm import _groups
@@ -74,6 +75,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return _run_fast(fast, func, args, kwargs)
     _load_rules()
     args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
+    refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
         key = None  # whether it applies may depend on more than the key: no fast entry
