@@ -32,6 +32,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "softmax and losses, batch/layer norm, embedding, convolution, pooling, dropout",
         "nn_loss.py, nn_norm.py, nn_layers.py, nn_random.py",
     ),
+    "attention": (
+        "fused scaled dot-product attention (batch or heads split), `_safe_softmax`",
+        "attention.py",
+    ),
+    "padding": ("constant, reflection and replication padding", "padding.py"),
     "storage": (
         "`as_strided` and `as_strided_scatter` on broadcast tensors (errors elsewhere)",
         "storage.py",
