@@ -32,11 +32,21 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "softmax and losses, batch/layer norm, embedding, convolution, pooling, dropout",
         "nn_loss.py, nn_norm.py, nn_layers.py, nn_random.py",
     ),
+    "attention": (
+        "fused scaled dot-product attention (batch or heads split), `_safe_softmax`",
+        "attention.py",
+    ),
+    "padding": ("constant, reflection and replication padding", "padding.py"),
+    "storage": (
+        "`as_strided` and `as_strided_scatter` on broadcast tensors (errors elsewhere)",
+        "storage.py",
+    ),
     "factories": ("`*_like`, `new_*`, in-place fills and copies", "factories.py"),
     "decompositions": (
         "ops computed from other ops on the global arguments: foreach ops of optimizers, "
-        "the AMP inf check, norms over split dims, random `*_like`, `equal`",
-        "optim.py, reductions.py, factories.py",
+        "the AMP inf check, norms over split dims, random `*_like`, `equal`, in-place views, "
+        "`resize_`, `set_`",
+        "optim.py, reductions.py, factories.py, storage.py",
     ),
 }
 

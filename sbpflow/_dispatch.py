@@ -37,7 +37,9 @@ from . import ops as _rule_families  # noqa: F401  (importing it registers every
 from ._bounded import BoundedDict
 from ._global import GlobalTensor, Meta, meta_of, wrap
 from ._layout import Layout, empty_local_shape
+from ._lazy_bits import resolve_arguments
 from ._printing import logical_value
+from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
@@ -75,6 +77,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             key = fast = None
         if fast is not None:
             return _run_fast(fast, func, args, kwargs)
+    args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
+    refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
         key = None  # whether it applies may depend on more than the key: no fast entry

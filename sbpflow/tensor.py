@@ -24,6 +24,7 @@ from . import _dispatch, _meta_check
 from ._bounded import BoundedDict
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
+from ._lazy_bits import resolved
 from ._printing import global_format, global_repr, logical_value
 from .boxing import tracing as _trace
 from .boxing._redistribute import Redistribute
@@ -205,6 +206,7 @@ def to_global(
         return x.to_global(placement, sbp, check_meta=check_meta)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
+    x = resolved(x)  # NOTE [lazy bits]: a conj/neg view's flag would not reach the locals
     if placement is None or sbp is None:
         raise ValueError(
             "converting a local tensor needs both placement and sbp, e.g. "

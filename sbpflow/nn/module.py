@@ -1,16 +1,38 @@
-"""``Module.to_global``: convert every parameter and buffer in place."""
+"""``Module.to_global``: convert every parameter and buffer in place.
+
+# NOTE [shared tensors]
+# A tensor registered in several places (tied input embedding and output
+# projection, a shared buffer, one submodule reused under two names) is one
+# tensor: it is converted once and every owner gets the same new Parameter or
+# buffer, so ``named_parameters()`` deduplicates exactly as before and the
+# gradients of all its uses accumulate into one ``.grad``. Its SBP is asked for
+# under every name it has; names that disagree are an error, not a silent
+# choice of one of them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..placement import Placement
+from ..sbp import normalize, sbp_str
 from ..tensor import GlobalTensor, keep_grad_layout, to_global
 
 SbpSpec = Any | Callable[[str, torch.Tensor], Any]
+
+
+@dataclass
+class _Shared:
+    """One distinct tensor of a module and every (owner, attribute) that holds it."""
+
+    tensor: torch.Tensor
+    is_parameter: bool
+    owners: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
 
 
 def module_to_global(
@@ -19,33 +41,94 @@ def module_to_global(
     """Convert ``module``'s parameters and buffers to global tensors, in place; returns it.
 
     ``sbp`` is one SBP (or N-D tuple) for all, or a callable ``(name, tensor) -> sbp``
-    for per-parameter layouts (``name`` as in ``module.named_parameters()``).
-    Every rank must call this with the same module structure.
+    for per-parameter layouts (``name`` as in ``module.named_parameters()``). A tensor
+    shared by several modules is converted once and stays shared; the callable must
+    give it the same SBP under each of its names. Every rank must call this with the
+    same module structure.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(module).__name__}.")
-    for prefix, sub in module.named_modules():
-        for name, param in list(sub._parameters.items()):
-            if param is None:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            value = _convert(param.detach(), placement, _sbp_for(sbp, full, param))
-            new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
-            if new.requires_grad:
-                keep_grad_layout(new)  # its gradient arrives in its own layout
-            sub._parameters[name] = new
-        for name, buf in list(sub._buffers.items()):
-            if buf is None:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            sub._buffers[name] = _convert(buf, placement, _sbp_for(sbp, full, buf))
+    entries = _distinct_tensors(module)
+    # Every SBP is settled before anything is converted: a disagreement leaves the module as it was.
+    layouts = [_agreed_sbp(entry, placement, sbp) for entry in entries]
+    for entry, layout in zip(entries, layouts, strict=True):
+        if not entry.is_parameter:
+            buffer = _convert(entry.tensor, placement, layout)
+            for owner, attr in entry.owners:
+                owner._buffers[attr] = buffer
+            continue
+        param = entry.tensor
+        value = _convert(param.detach(), placement, layout)
+        new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+        if new.requires_grad:
+            keep_grad_layout(new)  # its gradient arrives in its own layout
+        for owner, attr in entry.owners:
+            owner._parameters[attr] = new
     return module
 
 
-def _sbp_for(sbp: SbpSpec, name: str, tensor: torch.Tensor) -> Any:
-    if callable(sbp) and not isinstance(sbp, (tuple, list)) and not hasattr(sbp, "is_split"):
-        return sbp(name, tensor)
-    return sbp
+def _distinct_tensors(module: torch.nn.Module) -> list[_Shared]:
+    """Every distinct parameter and buffer with all its owners, in registration order."""
+    found: dict[int, _Shared] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for is_parameter, table in ((True, sub._parameters), (False, sub._buffers)):
+            for attr, tensor in table.items():
+                if tensor is None:
+                    continue
+                entry = found.get(id(tensor))
+                if entry is None:
+                    entry = found[id(tensor)] = _Shared(tensor, is_parameter)
+                elif entry.is_parameter != is_parameter:
+                    param, buf = entry.names[0], _full(prefix, attr)
+                    if is_parameter:
+                        param, buf = buf, param
+                    raise ValueError(
+                        f"one tensor is registered both as a parameter ({param!r}) and as a "
+                        f"buffer ({buf!r}); register it as one kind only."
+                    )
+                if (sub, attr) not in [(o, a) for o, a in entry.owners]:
+                    entry.owners.append((sub, attr))
+                entry.names.append(_full(prefix, attr))
+    return list(found.values())
+
+
+def _full(prefix: str, attr: str) -> str:
+    return f"{prefix}.{attr}" if prefix else attr
+
+
+def _agreed_sbp(entry: _Shared, placement: Placement, sbp: SbpSpec) -> Any:
+    """The SBP for ``entry`` under its first name, checked against every other name."""
+    if not _is_callable_spec(sbp):
+        return sbp
+    first = sbp(entry.names[0], entry.tensor)
+    for name in entry.names[1:]:
+        other = sbp(name, entry.tensor)
+        if not _same_sbp(first, other, placement, entry.tensor.dim()):
+            raise ValueError(
+                f"{entry.names[0]!r} and {name!r} are one shared tensor (tied weights) but the sbp "
+                f"callable gave them different layouts: {_show(first)} for {entry.names[0]!r} and "
+                f"{_show(other)} for {name!r}. A shared tensor has one layout: return the same "
+                "SBP for every name it is registered under."
+            )
+    return first
+
+
+def _same_sbp(a: Any, b: Any, placement: Placement, ndim: int) -> bool:
+    try:
+        return normalize(a, placement.ndim, ndim) == normalize(b, placement.ndim, ndim)
+    except (TypeError, ValueError):
+        return bool(a == b)  # the conversion itself reports a malformed SBP
+
+
+def _show(sbp: Any) -> str:
+    try:
+        return sbp_str(normalize(sbp, len(sbp) if isinstance(sbp, (tuple, list)) else 1))
+    except (TypeError, ValueError):
+        return repr(sbp)
+
+
+def _is_callable_spec(sbp: SbpSpec) -> bool:
+    return callable(sbp) and not isinstance(sbp, (tuple, list)) and not hasattr(sbp, "is_split")
 
 
 def _convert(t: torch.Tensor, placement: Placement, sbp: Any) -> GlobalTensor:

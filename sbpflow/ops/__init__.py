@@ -4,6 +4,7 @@ Importing this package registers every family.
 """
 
 from . import (  # noqa: F401  (importing a family registers its rules)
+    attention,
     factories,
     matmul,
     nn_layers,
@@ -11,7 +12,9 @@ from . import (  # noqa: F401  (importing a family registers its rules)
     nn_norm,
     nn_random,
     optim,
+    padding,
     pointwise,
     reductions,
+    storage,
     views,
 )

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from .._layout import Layout, balanced_sizes
-from ..sbp import Split
+from .._lazy_bits import resolved
+from ..sbp import Partial, Split
 from ._helpers import B, P, box_to, gather_splits, normalize_dim, strategy
 from ._registry import LocalContext, OpInfo, Strategy, register
 
@@ -209,6 +210,27 @@ def expand_rule(info: OpInfo) -> list[Strategy]:
     offset = len(out_shape) - len(in_shape)
     pairs = [(d, d + offset) for d in range(len(in_shape)) if in_shape[d] == out_shape[d + offset]]
     return _with_splits(info, pairs)
+
+
+# -- lazy conjugate / negative views ------------------------------------------------
+
+
+def _resolved_local(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext
+) -> Any:
+    """The piece with its flag applied: kernels below ``__torch_dispatch__`` would ignore it
+    (NOTE [lazy bits] in ``sbpflow/_lazy_bits.py``)."""
+    return resolved(func(*args, **kwargs))
+
+
+@register(aten._conj.default, aten._neg_view.default, family="views", local=_resolved_local)
+def lazy_bit_rule(info: OpInfo) -> list[Strategy]:
+    """Elementwise and linear: any layout stays as it is, but negation turns a max into a min,
+    so a max-partial input is gathered first."""
+    s = info.current[0]
+    if isinstance(s, Partial) and s.reduce_op == "max":
+        return [Strategy((B,), (B,))]
+    return [Strategy((s,), (s,)), Strategy((B,), (B,))]
 
 
 # -- cutting along one dim ------------------------------------------------------------

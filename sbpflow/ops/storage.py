@@ -1,0 +1,199 @@
+"""Ops defined on storage or on a tensor's own metadata: in-place views, ``as_strided``,
+``resize_``, ``set_``.
+
+# NOTE [storage ops]
+# A global tensor is logically contiguous: it reports contiguous strides and
+# storage offset 0, whatever its local piece looks like. Ops that address
+# storage are given that meaning:
+# - ``as_strided`` (and ``as_strided_``, ``as_strided_scatter``) index the
+#   logical tensor's elements in row-major order. Only a broadcast tensor holds
+#   them all in one place; on a split or partial tensor the op has no local
+#   meaning and is an error naming the fix (box to broadcast first). Where the
+#   local piece is not itself contiguous from offset 0 over its own storage, it
+#   is read from a contiguous copy (the result then does not alias the input).
+# - In-place views (``squeeze_``, ``unsqueeze_``, ``transpose_``, ``t_``,
+#   ``as_strided_``) change the tensor's own shape: they run as the matching
+#   out-of-place view (its rule may re-lay the tensor out) and the tensor takes
+#   over the result's local piece, layout and logical shape; the wrapper's
+#   sizes are updated below dispatch. (matmul of a vector with a matrix ends in
+#   ``squeeze_``: without this the result kept a stale size-1 dim.)
+# - ``resize_`` to the current shape is a no-op; to another shape it resizes
+#   a broadcast tensor's contiguous piece (and is an error on split/partial).
+# - ``set_(source)`` makes the tensor an alias of a global ``source``; the
+#   overloads taking a storage are errors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from .._global import GlobalTensor, meta_of
+from ..sbp import Broadcast, sbp_str
+from ._helpers import B, bind
+from ._registry import LocalContext, OpInfo, Strategy, register, register_decomposition
+
+aten = torch.ops.aten
+
+__all__: list[str] = []
+
+
+def _refuse(op: str, layout: str) -> ValueError:
+    return ValueError(
+        f"{op} addresses a tensor's storage, but this global tensor is laid out as {layout}: "
+        "no rank holds its elements in one piece, so the op has no meaning there. Box it to "
+        "broadcast first (x.to_global(sbp=sbpflow.sbp.broadcast), one per axis on an N-D "
+        "placement), or use an op defined on the logical tensor (view, reshape, narrow, "
+        "unfold, diagonal)."
+    )
+
+
+def _require_broadcast(op: str, x: Any) -> None:
+    """Storage has logical meaning only on a broadcast tensor (``x`` a global tensor)."""
+    if not all(isinstance(s, Broadcast) for s in x.sbp):
+        raise _refuse(op, sbp_str(x.sbp))
+
+
+def _require_broadcast_axis(op: str, info: OpInfo) -> None:
+    """The rule's form of ``_require_broadcast``: one placement axis at a time."""
+    s = info.current[0]
+    if not isinstance(s, Broadcast):
+        raise _refuse(op, f"{s} on a placement axis")
+
+
+def _row_major(local: torch.Tensor) -> torch.Tensor:
+    """``local`` if it is contiguous from offset 0 over exactly its own storage, else a copy
+    that is: the storage ``as_strided`` indexes is then the logical elements in order."""
+    exact = (
+        local.is_contiguous()
+        and local.storage_offset() == 0
+        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    )
+    return local if exact else local.clone(memory_format=torch.contiguous_format)
+
+
+# -- as_strided ---------------------------------------------------------------------
+
+
+def _as_strided_local(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext
+) -> Any:
+    bound = bind(func, args, kwargs)
+    offset = bound.get("storage_offset")
+    return aten.as_strided.default(
+        _row_major(bound["self"]), bound["size"], bound["stride"], offset or 0
+    )
+
+
+@register(aten.as_strided.default, family="storage", local=_as_strided_local)
+def as_strided_rule(info: OpInfo) -> list[Strategy]:
+    _require_broadcast_axis("as_strided", info)
+    return [Strategy((B,), (B,))]
+
+
+def _as_strided_scatter_local(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext
+) -> Any:
+    bound = bind(func, args, kwargs)
+    offset = bound.get("storage_offset")
+    return func(
+        _row_major(bound["self"]), bound["src"], bound["size"], bound["stride"], offset or 0
+    )
+
+
+@register(aten.as_strided_scatter.default, family="storage", local=_as_strided_scatter_local)
+def as_strided_scatter_rule(info: OpInfo) -> list[Strategy]:
+    _require_broadcast_axis("as_strided_scatter", info)
+    return [Strategy((B,) * len(info.inputs), (B,))]
+
+
+# -- in-place views -------------------------------------------------------------------
+
+
+_OUT_OF_PLACE: dict[Any, Any] = {
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.as_strided_.default: aten.as_strided.default,
+}
+
+
+def _set_wrapper_meta(x: torch.Tensor, change: Callable[[torch.Tensor], Any]) -> None:
+    """Run ``change`` on the wrapper ``x`` itself below dispatch, as on a meta tensor:
+    it updates ``x``'s own sizes and strides and touches no data."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            change(x)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[d + 1 :]) or 1 for d in range(len(shape))]
+
+
+def _take_over(x: Any, y: Any) -> None:
+    """Global ``x`` becomes ``y`` (same number of elements): piece, layout, logical shape."""
+    x._local, x._meta = y._local, y._meta
+    shape = list(y.shape)
+    _set_wrapper_meta(x, lambda w: aten.as_strided_.default(w, shape, _contiguous_strides(shape)))
+
+
+@register_decomposition(*_OUT_OF_PLACE)
+def inplace_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.squeeze_(d)`` and friends: the out-of-place view, taken over by ``x``."""
+    x = args[0]
+    if func is aten.as_strided_.default:
+        _require_broadcast("as_strided_", x)
+    _take_over(x, _OUT_OF_PLACE[func](*args, **kwargs))
+    return x
+
+
+# -- resize_ / set_ -----------------------------------------------------------------
+
+
+@register_decomposition(aten.resize_.default, aten.resize_as_.default)
+def resize(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    size = list(args[1].shape) if func is aten.resize_as_.default else list(args[1])
+    if size == list(x.shape):
+        return x
+    _require_broadcast(str(func.overloadpacket.__name__), x)
+    x._local = _row_major(x._local).resize_(size)  # keeps the first elements in row-major order
+    x._meta = meta_of(x._layout, tuple(size), x.dtype)
+    _set_wrapper_meta(x, lambda w: aten.resize_.default(w, size))
+    return x
+
+
+@register_decomposition(
+    aten.set_.source_Tensor,
+    aten.set_.source_Storage,
+    aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor_storage_offset,
+    aten.set_.default,
+)
+def set_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    source = args[1] if len(args) > 1 else kwargs.get("source")
+    if func is not aten.set_.source_Tensor or not isinstance(source, GlobalTensor):
+        raise ValueError(
+            f"{func} on a global tensor: a global tensor has no storage of its own to point "
+            "elsewhere (got source "
+            f"{type(source).__name__ if source is not None else 'none'}). Only x.set_(source) "
+            "with a global source is supported (x becomes an alias of source); otherwise "
+            "assign the new tensor to the name instead."
+        )
+    if x.dtype != source.dtype:
+        raise TypeError(f"set_ needs one dtype, got {x.dtype} and {source.dtype}.")
+    x._local, x._meta = source._local, source._meta
+    _set_wrapper_meta(x, lambda w: aten.set_.source_Tensor(w, source))
+    return x
