@@ -176,9 +176,12 @@ def test_mesh_keeps_the_users_rank_order() -> None:
 
 
 def test_placement_none_is_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    """placement=None reads the world from the environment, like torch's default (no group)."""
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setenv("RANK", "2")
+    """placement=None (and rank=None) read the world from sbpflow.env, like torch's default.
+
+    sbpflow.env is patched: another test may have made this process a world of one.
+    """
+    monkeypatch.setattr(sbpflow.env, "get_world_size", lambda: 3)
+    monkeypatch.setattr(sbpflow.env, "get_rank", lambda: 2)
     sampler = DistributedSampler(range(10), seed=4)
     assert sampler.placement == _placement([0, 1, 2])
     assert sampler.rank == 2 and sampler.num_replicas == 3
