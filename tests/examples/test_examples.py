@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DistributedSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO_ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
@@ -32,6 +33,7 @@ RUNS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
         (4, (r"data x tensor parallel on .*", r"single process: .*", FINAL_LOSS, MATCHES)),
     ],
     "pipeline_two_stages.py": [(2, (FINAL_LOSS, MATCHES))],
+    "sampler.py": [],  # its output is checked line by line in test_sampler_example_matches_torch
 }
 DEFAULT = [(2, (r".+",))]
 CASES = [
@@ -92,3 +94,47 @@ def test_there_are_examples() -> None:
     names = [p.name for p in EXAMPLES]
     assert "train_data_parallel.py" in names
     assert set(RUNS) <= set(names), f"RUNS names missing examples: {set(RUNS) - set(names)}"
+
+
+def test_sampler_example_matches_torch() -> None:
+    """examples/sampler.py on 2 ranks: every printed share equals torch's DistributedSampler's.
+
+    The reference is ``torch.utils.data.DistributedSampler(data, 2, rank, ...)`` built here;
+    the global batch printed last must be the two ranks' first loader batches concatenated.
+    """
+    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*argv, "examples/sampler.py"],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert "no SBP rule" not in result.stderr, output
+    share = re.compile(
+        r"rank (\d): data set of (\d+), shuffle=(True|False), drop_last=(True|False), "
+        r"epoch (\d+) -> \[([\d, ]*)\]"
+    )
+    seen = set()
+    for match in share.finditer(result.stdout):
+        rank, num_items, epoch = int(match[1]), int(match[2]), int(match[5])
+        shuffle, drop_last = match[3] == "True", match[4] == "True"
+        printed = [int(i) for i in match[6].split(",") if i.strip()]
+        reference = DistributedSampler(range(num_items), 2, rank, shuffle, drop_last=drop_last)
+        reference.set_epoch(epoch)
+        assert printed == list(reference), f"{match[0]!r}: torch gives {list(reference)}"
+        seen.add((rank, num_items, shuffle, drop_last, epoch))
+    configs = [(False, False, 0), (False, True, 0), (True, False, 0), (True, False, 1)]
+    expected = {(r, n, *config) for r in (0, 1) for n in (1, 2, 3) for config in configs}
+    assert seen == expected, output
+
+    values = [10, 20, 30]
+    first_batches = [
+        [values[i] for i in list(DistributedSampler(values, 2, r))[:2]] for r in (0, 1)
+    ]
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line == f"global batch (4,) S(0): {first_batches[0] + first_batches[1]}", output
