@@ -4,7 +4,7 @@
 engine turns one layout into another with collectives. See ``docs/``.
 """
 
-from . import boxing, env, sbp
+from . import boxing, env, sbp, utils
 from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from ._visualize import visualize
 from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
@@ -29,6 +29,7 @@ __all__ = [
     "randn",
     "sbp",
     "to_global",
+    "utils",
     "visualize",
     "zeros",
 ]
