@@ -1,0 +1,309 @@
+"""``sbpflow.nn.Graph``: OneFlow's training-step API, run eagerly on global tensors.
+
+A graph is a class whose ``build(*args)`` is one training step. Modules
+assigned to it become ``Block`` proxies, so their pipeline stages can be set
+without touching the modules; ``self.config`` holds the step's settings; the
+optimizers given to ``add_optimizer`` step once per call::
+
+    class TrainGraph(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.model.stage0.config.set_stage(stage_id=0, placement=P0)
+            self.model.stage1.config.set_stage(stage_id=1, placement=P1)
+            self.config.set_gradient_accumulation_steps(4)
+            self.add_optimizer(optimizer)
+
+        def build(self, x, y):
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            return loss
+
+
+    loss = TrainGraph()(x, y)  # the mean of the 4 micro-batch losses
+
+# NOTE [sequential micro-batches]
+# This first runtime runs the micro-batches one after another through
+# ``build``: micro-batch k's forward and backward finish before k+1's forward
+# starts, and each rank runs only the ops of the stages whose placement
+# includes it (a rank outside a placement skips its ops). That is correct for
+# every stage layout, but the stages do not overlap: the pipeline bubble is the
+# whole pipeline. ``set_pipeline_schedule`` records the schedule and
+# ``Graph.schedule()`` builds and validates its per-rank action lists
+# (docs/pipeline-schedules.md), but no schedule executes them yet.
+
+# NOTE [gradient accumulation]
+# The step's gradient is the mean over micro-batches of each micro-batch
+# loss's gradient: the gradients ``build`` accumulates are divided by the
+# number of micro-batches before the optimizers step. With a mean loss this is
+# exactly training on the whole batch. Gradients already present when the call
+# starts are set aside and added back unscaled, as plain accumulation would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._block import Block, BlockConfig
+from ._microbatch import mean_outputs, split_microbatches
+from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_ranks
+from .pipeline import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Schedule, build_schedule
+
+__all__ = ["Block", "BlockConfig", "Graph", "GraphConfig"]
+
+
+class GraphConfig:
+    """The settings of a graph's step: gradient accumulation and the pipeline schedule."""
+
+    __slots__ = ("_num_microbatches", "_schedule")
+
+    def __init__(self) -> None:
+        self._num_microbatches = 1
+        self._schedule: str | None = None
+
+    def set_gradient_accumulation_steps(self, value: int) -> None:
+        """Cut each batch argument into ``value`` micro-batches along dim 0; step once after the last."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"gradient accumulation steps must be an int, got {type(value).__name__}: "
+                f"{value!r}."
+            )
+        if value < 1:
+            raise ValueError(
+                f"gradient accumulation steps must be at least 1, got {value}; use 1 to run "
+                "each batch whole."
+            )
+        self._num_microbatches = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._num_microbatches
+
+    def set_pipeline_schedule(self, name: str) -> None:
+        """Record the pipeline schedule (see NOTE [sequential micro-batches]: not yet executed)."""
+        if name not in SCHEDULE_NAMES:
+            raise ValueError(
+                f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULE_NAMES)}."
+            )
+        self._schedule = name
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule set with ``set_pipeline_schedule``, else the default (``'1f1b'``)."""
+        return self._schedule or DEFAULT_SCHEDULE
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"sbpflow's GraphConfig has no {name!r}; it offers "
+            "set_gradient_accumulation_steps(n) and set_pipeline_schedule(name). (OneFlow's "
+            "compiler options have no counterpart in eager execution: leave them out.)"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphConfig(gradient_accumulation_steps={self._num_microbatches}, "
+            f"pipeline_schedule={self.pipeline_schedule!r})"
+        )
+
+
+class Graph:
+    """One training step as a class: subclass it, assign modules, override ``build``.
+
+    Calling the graph runs ``build`` once per micro-batch (one after another:
+    NOTE [sequential micro-batches]), averages the gradients over the
+    micro-batches (NOTE [gradient accumulation]), steps and zero_grads the
+    optimizers given to ``add_optimizer``, and returns what ``build`` returned,
+    averaged over the micro-batches and detached: for a loss, the mean of the
+    micro-batch losses, a global tensor on the loss's placement.
+    """
+
+    _blocks: dict[int, Block]  # id(module) -> its Block
+    _top_blocks: list[Block]  # the Blocks assigned to the graph
+    _graph_config: GraphConfig
+    _optimizers: list[tuple[torch.optim.Optimizer, Any]]  # (optimizer, lr scheduler or None)
+    _grad_scaler: Any
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_blocks", {})
+        object.__setattr__(self, "_top_blocks", [])
+        object.__setattr__(self, "_graph_config", GraphConfig())
+        object.__setattr__(self, "_optimizers", [])
+        object.__setattr__(self, "_grad_scaler", None)
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """One step on one micro-batch: forward, loss, ``loss.backward()``; return the loss."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not define build(self, ...); override it with the "
+            "training step (forward, loss, loss.backward(), return loss)."
+        )
+
+    @property
+    def config(self) -> GraphConfig:
+        return self._graph_config
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_sch: Any = None) -> None:
+        """Step ``optimizer`` (then ``lr_sch``) once per call, after the last micro-batch, then zero_grad."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"add_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        if lr_sch is not None:
+            if not callable(getattr(lr_sch, "step", None)):
+                raise TypeError(
+                    f"lr_sch must be a learning-rate scheduler (with .step()), got "
+                    f"{type(lr_sch).__name__}."
+                )
+            bound = getattr(lr_sch, "optimizer", optimizer)
+            if bound is not optimizer:
+                raise ValueError(
+                    f"lr_sch {type(lr_sch).__name__} schedules another optimizer "
+                    f"({type(bound).__name__}), not the {type(optimizer).__name__} it is added "
+                    "with; build the scheduler on this optimizer."
+                )
+        self._optimizers.append((optimizer, lr_sch))
+
+    def set_grad_scaler(self, scaler: Any) -> None:
+        """Step through ``scaler`` (``scaler.step(opt)``, ``scaler.update()``) for ``build``s that
+        call ``scaler.scale(loss).backward()`` (mixed precision with ``torch.amp``)."""
+        if not (
+            callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "update", None))
+        ):
+            raise TypeError(
+                f"set_grad_scaler takes a torch.amp.GradScaler, got {type(scaler).__name__}."
+            )
+        object.__setattr__(self, "_grad_scaler", scaler)
+
+    def schedule(self) -> Schedule:
+        """The pipeline schedule for the stages and micro-batches configured (built and validated).
+
+        Pure: needs no process group. A stage on several ranks is represented
+        by its placement's first rank. The runtime does not execute it yet
+        (NOTE [sequential micro-batches]).
+        """
+        stages = self._stages()
+        if not stages:
+            raise ValueError(
+                f"{type(self).__name__} has no pipeline stages; mark them with "
+                "self.<module>.config.set_stage(stage_id, placement) in __init__."
+            )
+        check_stage_ids(stages)
+        return build_schedule(
+            self.config.pipeline_schedule,
+            len(stages),
+            stage_ranks(stages),
+            self.config.gradient_accumulation_steps,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stages = self._stages()
+        check_stages(stages)  # the same verdict on every rank, before any communication
+        num_microbatches = self.config.gradient_accumulation_steps
+        microbatches = split_microbatches(args, kwargs, num_microbatches)
+        params = self._parameters()
+        earlier = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in earlier:
+            p.grad = None
+        with _stage_inputs(stages):
+            outputs = [self.build(*a, **k) for a, k in microbatches]
+        _average_grads(params, earlier, num_microbatches)
+        self._step()
+        return mean_outputs(outputs)
+
+    # -- internals -------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_blocks" not in self.__dict__:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ set {name!r} before calling "
+                "super().__init__(); call super().__init__() first."
+            )
+        if isinstance(value, torch.nn.Module):
+            value = self._block(value, name)
+            self._top_blocks.append(value)
+        object.__setattr__(self, name, value)
+
+    def _block(self, module: torch.nn.Module, name: str) -> Block:
+        """The graph's one Block for ``module`` (made on first sight, under its first name)."""
+        block = self._blocks.get(id(module))
+        if block is None:
+            block = self._blocks[id(module)] = Block(module, name, self._block)
+        return block
+
+    def _stages(self) -> list[Stage]:
+        found = []
+        for block in self._blocks.values():
+            cfg: BlockConfig = block.config
+            if cfg.stage_id is not None and cfg.stage_placement is not None:
+                found.append(Stage(block._name, block.origin, cfg.stage_id, cfg.stage_placement))
+        return found
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """Every parameter the step trains: the graph's modules' and the optimizers', once each."""
+        seen: dict[int, torch.Tensor] = {}
+        for block in self._top_blocks:
+            for p in block.origin.parameters():
+                seen.setdefault(id(p), p)
+        for optimizer, _ in self._optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _step(self) -> None:
+        scaler = self._grad_scaler
+        for optimizer, lr_sch in self._optimizers:
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+            if lr_sch is not None:
+                lr_sch.step()
+        if scaler is not None and self._optimizers:
+            scaler.update()
+        for optimizer, _ in self._optimizers:
+            optimizer.zero_grad()
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}(", f"  config: {self.config!r}"]
+        lines += [f"  {block!r}" for block in self._blocks.values()]
+        lines += [f"  optimizer: {type(opt).__name__}" for opt, _ in self._optimizers]
+        return "\n".join([*lines, ")"])
+
+
+def _average_grads(
+    params: list[torch.Tensor], earlier: list[tuple[torch.Tensor, torch.Tensor]], n: int
+) -> None:
+    """Divide the step's gradients by ``n`` and add back those set aside (NOTE [gradient accumulation])."""
+    with torch.no_grad():
+        if n > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(n)
+        for p, old in earlier:
+            p.grad = old if p.grad is None else old.add_(p.grad)
+
+
+@contextlib.contextmanager
+def _stage_inputs(stages: list[Stage]) -> Iterator[None]:
+    """While the step runs, move each stage's global inputs onto its placement (OneFlow's behaviour)."""
+    handles = []
+    try:
+        for stage in stages:
+
+            def hook(
+                module: torch.nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                stage: Stage = stage,
+            ) -> tuple[Any, Any]:
+                return box_to_stage(args, stage.placement), box_to_stage(kwargs, stage.placement)
+
+            handles.append(stage.module.register_forward_pre_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
