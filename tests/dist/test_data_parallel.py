@@ -84,6 +84,22 @@ def _errors(got: dict[str, torch.Tensor], want: nn.Module) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def _recording_launches(events: list[str]) -> Any:
+    """Append ``launch <numel> over <ranks>`` to ``events`` for every bucket launched."""
+    original = collectives.all_reduce_async
+
+    def launch(tensor: torch.Tensor, group: Any, op: str) -> Any:
+        events.append(f"launch {tensor.numel()} over {list(group[0])}")
+        return original(tensor, group, op)
+
+    collectives.all_reduce_async = launch  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        collectives.all_reduce_async = original  # type: ignore[assignment]
+
+
 # -- global data parallelism ------------------------------------------------------------
 
 
@@ -109,6 +125,8 @@ def _train_global(
         _OPTIMIZERS[optimizer](model.parameters()),
     )
     reduce_counts, accumulating_sbps, grad_sbps, unused_grads = [], set(), {}, []
+    launches: list[str] = []
+    row_bias_sbps: set[str] = set()
     for step in range(_STEPS):
         batches = _micro_batches(step, num_micro)
         _reference_step(reference, opt_ref, batches)
@@ -120,11 +138,13 @@ def _train_global(
             with (
                 contextlib.nullcontext() if last else sync.no_sync(),
                 sbpflow.boxing.trace() as t,
+                _recording_launches(launches),
             ):
                 F.mse_loss(model(gx), gy).backward()
             reduce_counts.append(t.collectives()["all_reduce"])
             if not last:
                 accumulating_sbps.add(sbp_str(model.fc1.bias.grad.sbp))
+                row_bias_sbps.add(sbp_str(model.fc2.bias.grad.sbp))
         grad_sbps = {
             n: (sbp_str(p.grad.sbp), sbp_str(p.sbp))
             for n, p in model.named_parameters()
@@ -143,6 +163,8 @@ def _train_global(
         "grad_sbps": grad_sbps,
         "unused_grads_none": unused_grads,
         "buckets": sync.buckets,
+        "launch_groups": sorted({e.split(" over ")[1] for e in launches}),
+        "row_bias_sbps": sorted(row_bias_sbps),
     }
 
 
@@ -192,6 +214,7 @@ def test_global_data_parallel_matches_single_process(world_size: int) -> None:
             # last micro-batch's backward only; none from the per-parameter path.
             num_micro = 4 if label.endswith("micro=4") else 1
             assert got["reduce_counts"] == ([0] * (num_micro - 1) + [2]) * _STEPS, (label, got)
+            assert got["launch_groups"] == [str(list(range(len(results))))], (label, got)
             if num_micro > 1:  # gradients stay partial sums while accumulating
                 assert got["accumulating_sbps"] == ["P"], (label, got)
 
@@ -201,12 +224,19 @@ def test_global_data_and_tensor_parallel_on_2x2_mesh() -> None:
     data axis: equal single-process training; gradients arrive in the parameters' layouts."""
     results = get_pool(4).run(global_mesh_job)
     _check_values(results)
-    for per_rank in results:
+    for rank, per_rank in enumerate(results):
         for label, got in per_rank:
             assert got["grad_sbps"]["fc1.weight"] == ("(B, S(0))", "(B, S(0))"), (label, got)
             assert got["grad_sbps"]["fc2.weight"] == ("(B, S(1))", "(B, S(1))"), (label, got)
             if label.endswith("micro=4"):  # partial on the data axis while accumulating
                 assert got["accumulating_sbps"] == ["(P, S(0))"], (label, got)
+            # Buckets reduce over the data axis (groups of 2 ranks along axis 0), except the
+            # bucket of fc2.bias (B, B): the row-parallel output is partial on axis 1 too, so
+            # its gradient arrives (P, P) and is reduced over all 4 ranks at once.
+            data_group = "[0, 2]" if rank in (0, 2) else "[1, 3]"
+            assert got["launch_groups"] == sorted([data_group, "[0, 1, 2, 3]"]), (label, got)
+            if label.endswith("micro=4"):
+                assert got["row_bias_sbps"] == ["(P, P)"], (label, got)
 
 
 # -- DistributedDataParallel ------------------------------------------------------------
@@ -383,12 +413,6 @@ def _backward_events(kind: str) -> list[str]:
     """Events of one backward: a gradient computed (tensor hook) or a bucket launched."""
     placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
     events: list[str] = []
-    original = collectives.all_reduce_async
-
-    def launch(tensor: torch.Tensor, group: Any, op: str) -> Any:
-        events.append(f"launch {tensor.numel()}")
-        return original(tensor, group, op)
-
     x = torch.randn(4, 16)
     if kind == "global":
         model: nn.Module = Deep().to_global(placement, B)
@@ -399,11 +423,8 @@ def _backward_events(kind: str) -> list[str]:
     for name, p in model.named_parameters():
         short = name.removeprefix("module.")
         p.register_hook(lambda g, short=short: events.append(f"grad {short}"))
-    collectives.all_reduce_async = launch  # type: ignore[assignment]
-    try:
-        model(x).sum().backward()
-    finally:
-        collectives.all_reduce_async = original  # type: ignore[assignment]
+    with _recording_launches(events):
+        model(x).pow(2).sum().backward()  # gradients arrive partial (biases too)
     return events
 
 

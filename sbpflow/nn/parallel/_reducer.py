@@ -236,8 +236,8 @@ class GradientSync:
             flags.append(0.0 if piece is None else 1.0)
             offset += numel
         flat[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.dtype))
-        if not axes:
-            bucket.pending = collectives.all_reduce_async(flat, ((rank,), None), "sum")
+        if not axes:  # every gradient is already broadcast: nothing to reduce
+            bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
             return
         group = _groups.group_of(bucket.placement.type, bucket.placement.groups_along(axes), rank)
         assert group is not None  # rank is in the placement
