@@ -54,6 +54,10 @@ from ._buckets import assign_buckets
 
 __all__ = ["GradientSync", "Member"]
 
+# The first bucket of each kind is small, so reduction starts early in backward
+# (torch DDP's first bucket is 1 MiB too: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+FIRST_BUCKET_BYTES = 1024 * 1024
+
 
 @dataclass(eq=False)
 class Member:
@@ -122,9 +126,10 @@ class GradientSync:
         ordered = list(reversed(members))  # NOTE [bucket order]
         entries = [(_bucket_key(m), m.local.numel() * m.local.element_size()) for m in ordered]
         cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
+        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES)
         self._buckets = [
             _make_bucket([ordered[i] for i in indices])
-            for indices in assign_buckets(entries, cap_bytes)
+            for indices in assign_buckets(entries, cap_bytes, first_cap_bytes)
         ]
         self._where: dict[int, tuple[_Bucket, Member]] = {}
         rank = get_rank()
