@@ -201,6 +201,11 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     hook boxes it to the parameter's layout before it is accumulated into
     ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
     so ``optimizer.step()`` is purely local.
+
+    A parameter whose gradients a ``sbpflow.nn.parallel.GradientSync`` reduces
+    carries ``_grad_sync``: the hook then leaves the gradient as it arrives and
+    the sync reduces it in buckets (NOTE [bucketed gradient sync] there), so no
+    gradient is reduced twice.
     """
     if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
         return
@@ -210,6 +215,8 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
         param = owner()
         if param is None or not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
             return None
+        if getattr(param, "_grad_sync", None) is not None:
+            return None  # reduced in buckets by its GradientSync
         # The ranks agree by construction (the same backward on every rank): no meta check.
         return grad.to_global(param.placement, param.sbp, check_meta=False)
 

@@ -12,6 +12,7 @@ ranks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +27,12 @@ Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 __all__ = [
     "CollectiveError",
     "Group",
+    "PendingCollective",
     "all_gather",
     "all_gather_meta",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_async",
     "all_to_all",
     "broadcast",
     "exchange",
@@ -116,6 +119,35 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
         out = local.clone(memory_format=torch.contiguous_format)
     _all_reduce_in_place(out, group, reduce_op)
     return out
+
+
+class PendingCollective:
+    """A collective launched with ``async_op=True``; ``wait()`` finishes it and returns its tensor.
+
+    A failure surfaces at ``wait()`` as ``CollectiveError`` naming the operation and the ranks.
+    """
+
+    def __init__(self, op: str, ranks: Sequence[int], tensor: torch.Tensor, work: Any) -> None:
+        self.op, self.ranks, self.tensor, self._work = op, tuple(ranks), tensor, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with named(self.op, self.ranks):
+                self._work.wait()
+            self._work = None
+        return self.tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Group, reduce_op: str) -> PendingCollective:
+    """Start reducing ``tensor`` (contiguous) in place over the group; returns its handle."""
+    ranks, handle = group
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce_async reduces in place: pass a contiguous tensor.")
+    if handle is None:
+        return PendingCollective("all_reduce", ranks, tensor, None)
+    with named("all_reduce", ranks):
+        work = dist.all_reduce(tensor, op=REDUCE_OPS[reduce_op], group=handle, async_op=True)
+    return PendingCollective("all_reduce", ranks, tensor, work)
 
 
 def reduce_scatter(

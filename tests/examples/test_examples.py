@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ RUNS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
     ],
     "pipeline_two_stages.py": [(2, (FINAL_LOSS, MATCHES))],
     "sampler.py": [],  # its output is checked line by line in test_sampler_example_matches_torch
+    "ddp_linear.py": [],  # its output is checked in test_ddp_linear_example_finds_the_solution
 }
 DEFAULT = [(2, (r".+",))]
 CASES = [
@@ -138,3 +140,30 @@ def test_sampler_example_matches_torch() -> None:
     ]
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line == f"global batch (4,) S(0): {first_batches[0] + first_batches[1]}", output
+
+
+def test_ddp_linear_example_finds_the_solution() -> None:
+    """examples/ddp_linear.py (OneFlow's DDP program) on 2 ranks: both ranks end with
+    w = [[2.0000], [3.0000]], the exact solution of the two ranks' linear systems (a
+    single-process least-squares solve on all four samples, computed here, agrees)."""
+    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*argv, "examples/ddp_linear.py"],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert "no SBP rule" not in result.stderr, output
+    x = torch.tensor([[1.0, 2.0], [2.0, 3.0], [4.0, 6.0], [3.0, 1.0]], dtype=torch.float64)
+    y = torch.tensor([[8.0], [13.0], [26.0], [9.0]], dtype=torch.float64)
+    solution = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    found = re.findall(r"rank (\d) w: \[\[(-?\d+\.\d{4})\], \[(-?\d+\.\d{4})\]\]", result.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], output
+    for _, w0, w1 in found:
+        assert [float(w0), float(w1)] == pytest.approx(solution, abs=1e-4), output
+        assert (w0, w1) == ("2.0000", "3.0000"), output

@@ -1,0 +1,311 @@
+"""Reducing partial-sum gradients in buckets while backward runs: the engine of data parallelism.
+
+# NOTE [bucketed gradient sync]
+# A data-parallel parameter is broadcast (B) on its data axes and its gradient
+# arrives there as a partial sum (P): each rank holds the gradient of its own
+# slice of the batch. Instead of one synchronous all_reduce per parameter
+# (``keep_grad_layout``'s hook in ``_global``), ``GradientSync``:
+#   1. fixes buckets before the first backward (NOTE [bucket order] in ``_buckets``);
+#   2. leaves each gradient as it arrives (``_grad_sync`` on the parameter turns
+#      ``keep_grad_layout``'s hook off) and, once AccumulateGrad has written it
+#      to ``.grad``, marks it ready (a post-accumulate-grad hook);
+#   3. as soon as a bucket's gradients are all ready, and every bucket before it
+#      has been launched, copies them into one flat buffer and starts an
+#      ``all_reduce(async_op=True)`` over the group along the bucket's data axes,
+#      while backward goes on computing earlier layers' gradients;
+#   4. at the end of backward (torch's ``queue_callback``, as torch DDP does)
+#      launches the buckets still open, with zeros for gradients that never
+#      came, waits for all of them and sets each ``.grad`` to its reduced piece
+#      of the flat buffer, laid out as the parameter.
+# Only the axes where the parameter is B and some gradient of the bucket is not
+# (P, or S which becomes P locally) are reduced; a gradient that is B on such
+# an axis is boxed B -> P (zeros off the axis' first rank) so the sum is right.
+#
+# Unused parameters: a gradient that is None on every rank of the group stays
+# None (the optimizer skips it, as with torch DDP's find_unused_parameters).
+# Each bucket carries one flag per parameter after the gradients, 1 where this
+# rank had a gradient, so this is known after the same all_reduce. A local
+# (DDP) parameter unused on some ranks only gets the mean of the others' and
+# zeros.
+#
+# Gradient accumulation: inside ``no_sync()`` the hooks do nothing, so ``.grad``
+# keeps accumulating the partial sums; the first backward outside it reduces
+# the accumulated sum, including gradients that were computed only in earlier
+# micro-batches (they are read from ``.grad`` at the end of backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._global import GlobalTensor
+from ..._layout import Layout
+from ...boxing import tracing as _trace
+from ...comm import _groups, collectives
+from ...comm._world import get_rank
+from ...placement import Placement
+from ...sbp import Broadcast, Partial
+from ._buckets import assign_buckets
+
+__all__ = ["GradientSync", "Member"]
+
+# The first bucket of each kind is small, so reduction starts early in backward
+# (torch DDP's first bucket is 1 MiB too: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclass(eq=False)
+class Member:
+    """One parameter whose gradient is reduced: its layout and whether it is a global tensor.
+
+    A local parameter (DistributedDataParallel) is read as broadcast on every axis of
+    ``layout.placement``, and its local gradient as this replica's partial sum.
+    """
+
+    name: str
+    param: torch.nn.Parameter
+    layout: Layout
+    is_global: bool
+    ready: bool = False
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.param._local if self.is_global else self.param  # type: ignore[attr-defined]
+
+    @property
+    def data_axes(self) -> tuple[int, ...]:
+        """The axes this parameter may be reduced over: broadcast, with more than one rank."""
+        placement = self.layout.placement
+        return tuple(
+            a
+            for a, s in enumerate(self.layout.sbp)
+            if isinstance(s, Broadcast) and placement.shape[a] > 1
+        )
+
+
+@dataclass(eq=False)
+class _Bucket:
+    members: list[Member]
+    placement: Placement
+    axes: tuple[int, ...]  # where its parameters are broadcast: the axes it may reduce over
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    num_ready: int = 0
+    launched: bool = False
+    pending: collectives.PendingCollective | None = None
+
+
+class GradientSync:
+    """Reduces the gradients of ``members`` in buckets that overlap backward.
+
+    Made by ``sync_gradients`` (global models) and ``DistributedDataParallel`` (local
+    ones). ``average=True`` divides each sum by the number of ranks it ran over.
+    """
+
+    def __init__(self, members: Sequence[Member], bucket_cap_mb: float, average: bool) -> None:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(
+                f"bucket_cap_mb must be a number of megabytes, got {type(bucket_cap_mb).__name__}: "
+                f"{bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(
+                f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+            )
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self._average = average
+        self._enabled = True
+        self._callback_queued = False
+        self._next = 0  # the next bucket to launch
+        ordered = list(reversed(members))  # NOTE [bucket order]
+        entries = [(_bucket_key(m), m.local.numel() * m.local.element_size()) for m in ordered]
+        cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
+        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES)
+        self._buckets = [
+            _make_bucket([ordered[i] for i in indices])
+            for indices in assign_buckets(entries, cap_bytes, first_cap_bytes)
+        ]
+        self._where: dict[int, tuple[_Bucket, Member]] = {}
+        rank = get_rank()
+        for bucket in self._buckets:
+            # Groups are made by every rank together (NOTE [group creation order]): now, not
+            # in the middle of a backward pass that a rank outside the placement sits out.
+            _groups.ensure_placement_groups(bucket.placement, rank)
+            for member in bucket.members:
+                self._where[id(member.param)] = (bucket, member)
+        self._handles = [
+            m.param.register_post_accumulate_grad_hook(self._on_grad_ready) for m in ordered
+        ]
+        for m in ordered:
+            if m.is_global:
+                m.param._grad_sync = self  # type: ignore[attr-defined]
+
+    # -- public ----------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameter names of each bucket, in launch order."""
+        return [[m.name for m in b.members] for b in self._buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside the block only accumulate gradients (partial sums).
+
+        The first backward after the block reduces the accumulated sum, as torch DDP's
+        ``no_sync``: run every micro-batch but the last inside it.
+        """
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    def remove(self) -> None:
+        """Stop reducing: gradients go back to the per-parameter path (global parameters)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for bucket in self._buckets:
+            for m in bucket.members:
+                if getattr(m.param, "_grad_sync", None) is self:
+                    del m.param._grad_sync  # type: ignore[attr-defined]
+
+    # -- during backward -------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._enabled:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        bucket, member = self._where[id(param)]
+        if bucket.launched:
+            raise RuntimeError(
+                f"sbpflow: the gradient of {member.name!r} arrived again after its bucket was "
+                "reduced in this backward pass (its AccumulateGrad ran twice, e.g. under "
+                "reentrant activation checkpointing). Use torch.utils.checkpoint with "
+                "use_reentrant=False, or run that backward inside no_sync()."
+            )
+        if not member.ready:
+            member.ready = True
+            bucket.num_ready += 1
+        while self._next < len(self._buckets) and self._buckets[self._next].num_ready == len(
+            self._buckets[self._next].members
+        ):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left (in order), wait for all, write ``.grad``."""
+        try:
+            for bucket in self._buckets[self._next :]:
+                self._launch(bucket)
+            for bucket in self._buckets:
+                self._write_back(bucket)
+        finally:
+            self._callback_queued = False
+            self._next = 0
+            for bucket in self._buckets:
+                bucket.num_ready, bucket.launched, bucket.pending = 0, False, None
+                for m in bucket.members:
+                    m.ready = False
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        rank = get_rank()
+        if rank not in bucket.placement:
+            return  # the parameters have no piece here
+        axes = self._reduce_axes(bucket)
+        flat = torch.empty(
+            bucket.numel + len(bucket.members), dtype=bucket.dtype, device=bucket.device
+        )
+        flags, offset = [], 0
+        for m in bucket.members:
+            numel = m.local.numel()
+            view = flat[offset : offset + numel]
+            piece = _partial_piece(m, axes)
+            if piece is None:
+                view.zero_()
+            elif piece.numel() != numel:
+                raise RuntimeError(
+                    f"sbpflow: the gradient of {m.name!r} has {piece.numel()} local elements, "
+                    f"its parameter {numel}; was the parameter replaced or resized after "
+                    "its gradients were set up to be synced? Set them up again afterwards."
+                )
+            else:
+                view.copy_(piece.reshape(-1))
+            flags.append(0.0 if piece is None else 1.0)
+            offset += numel
+        flat[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.dtype))
+        if not axes:  # every gradient is already broadcast: nothing to reduce
+            bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
+            return
+        group = _groups.group_of(bucket.placement.type, bucket.placement.groups_along(axes), rank)
+        assert group is not None  # rank is in the placement
+        if self._average:
+            flat[: bucket.numel].div_(len(group[0]))
+        bucket.pending = collectives.all_reduce_async(flat, group, "sum")
+        _trace.record(None, ["all_reduce"])
+
+    def _reduce_axes(self, bucket: _Bucket) -> tuple[int, ...]:
+        """The bucket's data axes on which some gradient is not already broadcast."""
+        if not all(m.is_global for m in bucket.members):
+            return bucket.axes  # a local gradient is always a partial sum
+        axes: set[int] = set()
+        for m in bucket.members:
+            grad = m.param.grad
+            if grad is None:
+                continue
+            if not isinstance(grad, GlobalTensor) or grad.placement != bucket.placement:
+                return bucket.axes
+            axes.update(a for a in bucket.axes if not isinstance(grad.sbp[a], Broadcast))
+        return tuple(sorted(axes))
+
+    def _write_back(self, bucket: _Bucket) -> None:
+        if bucket.pending is None:
+            return
+        flat = bucket.pending.wait()
+        used = (flat[bucket.numel :] > 0).tolist()
+        offset = 0
+        for m, is_used in zip(bucket.members, used, strict=True):
+            local = m.local
+            view = flat[offset : offset + local.numel()].view(local.shape)
+            offset += local.numel()
+            if is_used:
+                m.param.grad = GlobalTensor(view, m.layout, m.param.shape) if m.is_global else view
+
+
+def _bucket_key(m: Member) -> Any:
+    local = m.local
+    return (m.layout.placement, m.data_axes, local.dtype, local.device)
+
+
+def _make_bucket(members: list[Member]) -> _Bucket:
+    first = members[0]
+    return _Bucket(
+        members=members,
+        placement=first.layout.placement,
+        axes=first.data_axes,
+        numel=sum(m.local.numel() for m in members),
+        dtype=first.local.dtype,
+        device=first.local.device,
+    )
+
+
+def _partial_piece(m: Member, axes: tuple[int, ...]) -> torch.Tensor | None:
+    """This rank's piece of ``m``'s gradient laid out partial-sum on ``axes`` (None: no grad)."""
+    grad = m.param.grad
+    if grad is None or not m.is_global:
+        return grad
+    if not isinstance(grad, GlobalTensor):
+        raise TypeError(
+            f"the gradient of the global parameter {m.name!r} is a plain "
+            f"{type(grad).__name__}; expected a global tensor. Was .grad set by hand?"
+        )
+    sbp = tuple(Partial("sum") if a in axes else s for a, s in enumerate(m.layout.sbp))
+    boxed = grad.to_global(m.layout.placement, sbp, check_meta=False)
+    return boxed._local

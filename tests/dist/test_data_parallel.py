@@ -1,0 +1,497 @@
+"""Bucketed gradient sync (``sync_gradients``) and ``DistributedDataParallel`` against
+single-process training computed in the same job.
+
+The model has a parameter its forward never uses (``unused``): its gradient must stay
+None, as in the single-process reference, so AdamW leaves it alone. Every run trains 5
+steps of SGD-momentum and of AdamW; a step is one batch or 4 micro-batches accumulated
+with ``no_sync()`` (the reference accumulates the same micro-batches in one process).
+Global data parallelism runs on 2 and 4 ranks and as DP x TP on a 2x2 mesh (axis 0 data,
+axis 1 a column- then row-parallel Linear); DDP keeps local tensors, each rank a slice of
+the batch. Losses of a step are means over the whole (micro-)batch, so the summed or
+averaged gradients equal the reference's. Bucket launches are traced: how many
+all_reduces ran in each backward, and (overlap) that the first bucket is launched before
+backward has computed the last gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from sbpflow.comm import collectives
+from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients
+from sbpflow.sbp import Broadcast, Partial, Split, sbp_str
+from sbpflow.testing import get_pool
+
+S0, S1, B, P = Split(0), Split(1), Broadcast(), Partial("sum")
+_STEPS = 5
+_TOL = 1e-5
+_SMALL_CAP_MB = 1e-4  # 104 bytes: buckets [fc2.bias, fc2.weight], [unused.*], [fc1.*]
+_UNUSED = {"unused.weight", "unused.bias"}
+
+
+class Net(nn.Module):
+    """``fc1`` column-parallel, ``fc2`` row-parallel under TP; ``unused`` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.unused = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+}
+
+
+def _micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` logical micro-batches of 8 samples (the same on every rank)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return [
+        (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(count)
+    ]
+
+
+def _reference_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    opt.zero_grad()
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _errors(got: dict[str, torch.Tensor], want: nn.Module) -> dict[str, float]:
+    """Max abs difference per parameter that differs beyond the tolerance."""
+    out = {}
+    for name, ref in want.named_parameters():
+        value = got[name].double()
+        if not torch.allclose(value, ref.detach().double(), atol=_TOL, rtol=_TOL):
+            out[name] = (value - ref.detach().double()).abs().max().item()
+    return out
+
+
+@contextlib.contextmanager
+def _recording_launches(events: list[str]) -> Any:
+    """Append ``launch <numel> over <ranks>`` to ``events`` for every bucket launched."""
+    original = collectives.all_reduce_async
+
+    def launch(tensor: torch.Tensor, group: Any, op: str) -> Any:
+        events.append(f"launch {tensor.numel()} over {list(group[0])}")
+        return original(tensor, group, op)
+
+    collectives.all_reduce_async = launch  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        collectives.all_reduce_async = original  # type: ignore[assignment]
+
+
+# -- global data parallelism ------------------------------------------------------------
+
+
+def _megatron(name: str, t: torch.Tensor) -> Any:
+    module, kind = name.rsplit(".", 1)
+    if module == "fc1":
+        return (B, S0)
+    if module == "fc2" and kind == "weight":
+        return (B, S1)
+    return (B, B)
+
+
+def _train_global(
+    placement: sbpflow.Placement, param_sbp: Any, batch_sbp: Any, optimizer: str, num_micro: int
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = Net()
+    full = (B,) * placement.ndim
+    model = copy.deepcopy(reference).to_global(placement, full).to_global(placement, param_sbp)
+    sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
+    opt_ref, opt = (
+        _OPTIMIZERS[optimizer](reference.parameters()),
+        _OPTIMIZERS[optimizer](model.parameters()),
+    )
+    reduce_counts, accumulating_sbps, grad_sbps, unused_grads = [], set(), {}, []
+    launches: list[str] = []
+    row_bias_sbps: set[str] = set()
+    for step in range(_STEPS):
+        batches = _micro_batches(step, num_micro)
+        _reference_step(reference, opt_ref, batches)
+        opt.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            gx = x.to_global(placement, full).to_global(sbp=batch_sbp)
+            gy = y.to_global(placement, full).to_global(sbp=batch_sbp)
+            last = i == num_micro - 1
+            with (
+                contextlib.nullcontext() if last else sync.no_sync(),
+                sbpflow.boxing.trace() as t,
+                _recording_launches(launches),
+            ):
+                F.mse_loss(model(gx), gy).backward()
+            reduce_counts.append(t.collectives()["all_reduce"])
+            if not last:
+                accumulating_sbps.add(sbp_str(model.fc1.bias.grad.sbp))
+                row_bias_sbps.add(sbp_str(model.fc2.bias.grad.sbp))
+        grad_sbps = {
+            n: (sbp_str(p.grad.sbp), sbp_str(p.sbp))
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        unused_grads.append([model.get_parameter(n).grad is None for n in sorted(_UNUSED)])
+        opt.step()
+    logical = {
+        n: p.to_global(sbp=full, check_meta=False).to_local().detach()
+        for n, p in model.named_parameters()
+    }
+    return {
+        "errors": _errors(logical, reference),
+        "reduce_counts": reduce_counts,
+        "accumulating_sbps": sorted(accumulating_sbps),
+        "grad_sbps": grad_sbps,
+        "unused_grads_none": unused_grads,
+        "buckets": sync.buckets,
+        "launch_groups": sorted({e.split(" over ")[1] for e in launches}),
+        "row_bias_sbps": sorted(row_bias_sbps),
+    }
+
+
+def global_data_parallel_job() -> list[tuple[str, dict[str, Any]]]:
+    world = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    return [
+        (f"{opt} micro={n}", _train_global(world, B, S0, opt, n))
+        for opt in _OPTIMIZERS
+        for n in (1, 4)
+    ]
+
+
+def global_mesh_job() -> list[tuple[str, dict[str, Any]]]:
+    mesh = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    return [
+        (f"2x2 {opt} micro={n}", _train_global(mesh, _megatron, (S0, B), opt, n))
+        for opt in _OPTIMIZERS
+        for n in (1, 4)
+    ]
+
+
+def _check_values(results: list[list[tuple[str, dict[str, Any]]]]) -> None:
+    for rank, per_rank in enumerate(results):
+        for label, got in per_rank:
+            where = f"rank {rank}, {label}"
+            assert not got["errors"], f"{where}: parameters differ from the reference: {got}"
+            assert all(all(flags) for flags in got["unused_grads_none"]), f"{where}: {got}"
+            assert not set(got["grad_sbps"]) & _UNUSED, f"{where}: {got['grad_sbps']}"
+            for name, (grad_sbp, param_sbp) in got["grad_sbps"].items():
+                assert grad_sbp == param_sbp, f"{where}: {name}.grad {grad_sbp}, param {param_sbp}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_global_data_parallel_matches_single_process(world_size: int) -> None:
+    """Broadcast parameters, S(0) batch, buckets of ~100 bytes: SGD and AdamW, one batch or
+    4 no_sync micro-batches per step, equal single-process training on the whole batch."""
+    results = get_pool(world_size).run(global_data_parallel_job)
+    _check_values(results)
+    for per_rank in results:
+        for label, got in per_rank:
+            assert got["buckets"] == [
+                ["fc2.bias", "fc2.weight"],
+                ["unused.bias", "unused.weight"],
+                ["fc1.bias", "fc1.weight"],
+            ], got["buckets"]
+            # One all_reduce per bucket with a gradient (the unused one has none), in the
+            # last micro-batch's backward only; none from the per-parameter path.
+            num_micro = 4 if label.endswith("micro=4") else 1
+            assert got["reduce_counts"] == ([0] * (num_micro - 1) + [2]) * _STEPS, (label, got)
+            assert got["launch_groups"] == [str(list(range(len(results))))], (label, got)
+            if num_micro > 1:  # gradients stay partial sums while accumulating
+                assert got["accumulating_sbps"] == ["P"], (label, got)
+
+
+def test_global_data_and_tensor_parallel_on_2x2_mesh() -> None:
+    """Parameters (B, S(k)) and a (S(0), B) batch on a 2x2 mesh, buckets reducing over the
+    data axis: equal single-process training; gradients arrive in the parameters' layouts."""
+    results = get_pool(4).run(global_mesh_job)
+    _check_values(results)
+    for rank, per_rank in enumerate(results):
+        for label, got in per_rank:
+            assert got["grad_sbps"]["fc1.weight"] == ("(B, S(0))", "(B, S(0))"), (label, got)
+            assert got["grad_sbps"]["fc2.weight"] == ("(B, S(1))", "(B, S(1))"), (label, got)
+            if label.endswith("micro=4"):  # partial on the data axis while accumulating
+                assert got["accumulating_sbps"] == ["(P, S(0))"], (label, got)
+            # Buckets reduce over the data axis (groups of 2 ranks along axis 0), except the
+            # bucket of fc2.bias (B, B): the row-parallel output is partial on axis 1 too, so
+            # its gradient arrives (P, P) and is reduced over all 4 ranks at once.
+            data_group = "[0, 2]" if rank in (0, 2) else "[1, 3]"
+            assert got["launch_groups"] == sorted([data_group, "[0, 1, 2, 3]"]), (label, got)
+            if label.endswith("micro=4"):
+                assert got["row_bias_sbps"] == ["(P, P)"], (label, got)
+
+
+# -- DistributedDataParallel ------------------------------------------------------------
+
+
+def _train_ddp(placement: sbpflow.Placement, optimizer: str, num_micro: int) -> dict[str, Any]:
+    rank = sbpflow.env.get_rank()
+    torch.manual_seed(0)
+    reference = Net()
+    local = copy.deepcopy(reference)
+    with torch.no_grad():  # wrapping must broadcast the first rank's parameters
+        for p in local.parameters():
+            p.add_(float(placement.flat_ranks.index(rank)))
+    ddp = DistributedDataParallel(local, bucket_cap_mb=_SMALL_CAP_MB, placement=placement)
+    opt_ref, opt = (
+        _OPTIMIZERS[optimizer](reference.parameters()),
+        _OPTIMIZERS[optimizer](ddp.parameters()),
+    )
+    index = placement.flat_ranks.index(rank)
+    reduce_counts, unused_grads = [], []
+    for step in range(_STEPS):
+        batches = _micro_batches(step, num_micro)
+        _reference_step(reference, opt_ref, batches)
+        opt.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            lx = torch.tensor_split(x, placement.num_ranks)[index]
+            ly = torch.tensor_split(y, placement.num_ranks)[index]
+            last = i == num_micro - 1
+            with contextlib.nullcontext() if last else ddp.no_sync(), sbpflow.boxing.trace() as t:
+                F.mse_loss(ddp(lx), ly).backward()
+            reduce_counts.append(t.collectives()["all_reduce"])
+        unused_grads.append([ddp.module.get_parameter(n).grad is None for n in sorted(_UNUSED)])
+        opt.step()
+    got = {n: p.detach() for n, p in ddp.module.named_parameters()}
+    return {
+        "errors": _errors(got, reference),
+        "reduce_counts": reduce_counts,
+        "unused_grads_none": unused_grads,
+        "grad_sbps": {},
+    }
+
+
+def ddp_job() -> list[tuple[str, dict[str, Any]]]:
+    world = sbpflow.env.get_world_size()
+    placements = [sbpflow.placement("cpu", list(range(world)))]
+    if world == 4:
+        placements.append(sbpflow.placement("cpu", [[0, 1], [2, 3]]))
+    return [
+        (f"{pl} {opt} micro={n}", _train_ddp(pl, opt, n))
+        for pl in placements
+        for opt in _OPTIMIZERS
+        for n in (1, 4)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_matches_single_process(world_size: int) -> None:
+    """Local models (different initial values per rank, the first rank's broadcast at wrap),
+    each rank a slice of the batch: SGD and AdamW with and without no_sync accumulation
+    equal single-process training on the whole batch (on 4 ranks also over a 2x2 mesh)."""
+    results = get_pool(world_size).run(ddp_job)
+    _check_values(results)
+    for per_rank in results:
+        for label, got in per_rank:
+            num_micro = 4 if label.endswith("micro=4") else 1
+            # Local gradients are always partial: every bucket is reduced, the unused one too.
+            assert got["reduce_counts"] == ([0] * (num_micro - 1) + [3]) * _STEPS, (label, got)
+
+
+# -- parameters used in some micro-batches or on some ranks only ---------------------------
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.extra = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        out = self.fc(x)
+        return out + self.extra(x) if use_extra else out
+
+
+def _branchy_reference(
+    model: nn.Module, x: torch.Tensor, uses: list[bool], num_ranks: int
+) -> torch.Tensor:
+    """The output when rank ``k``'s slice of the batch goes through ``extra`` iff ``uses[k]``."""
+    pieces = torch.tensor_split(x, num_ranks)
+    return torch.cat([model(piece, use) for piece, use in zip(pieces, uses, strict=True)])
+
+
+def partial_use_job() -> dict[str, dict[str, float]]:
+    """Max parameter error against the reference for each way ``extra`` is left out."""
+    world = sbpflow.env.get_world_size()
+    rank = sbpflow.env.get_rank()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    out = {}
+    # (name, global or DDP, micro-batches, uses[micro][rank])
+    plans = [
+        (
+            "global, extra in the first 2 of 4 micro-batches",
+            True,
+            [[i < 2] * world for i in range(4)],
+        ),
+        (
+            "ddp, extra in the first 2 of 4 micro-batches",
+            False,
+            [[i < 2] * world for i in range(4)],
+        ),
+        ("ddp, extra on rank 0 only", False, [[r == 0 for r in range(world)]]),
+    ]
+    for label, is_global, uses in plans:
+        torch.manual_seed(0)
+        reference = Branchy()
+        model: nn.Module = copy.deepcopy(reference)
+        if is_global:
+            model = model.to_global(placement, B)
+            sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
+            no_sync = sync.no_sync
+        else:
+            model = DistributedDataParallel(model, bucket_cap_mb=_SMALL_CAP_MB)
+            no_sync = model.no_sync
+        opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(2):
+            batches = _micro_batches(step, len(uses))
+            opt_ref.zero_grad()
+            for (x, y), use in zip(batches, uses, strict=True):
+                F.mse_loss(_branchy_reference(reference, x, use, world), y).backward()
+            opt_ref.step()
+            opt.zero_grad()
+            for i, ((x, y), use) in enumerate(zip(batches, uses, strict=True)):
+                with contextlib.nullcontext() if i == len(uses) - 1 else no_sync():
+                    if is_global:
+                        gx, gy = x.to_global(placement, B), y.to_global(placement, B)
+                        gx, gy = gx.to_global(sbp=S0), gy.to_global(sbp=S0)
+                        F.mse_loss(model(gx, use[0]), gy).backward()
+                    else:
+                        lx, ly = (
+                            torch.tensor_split(x, world)[rank],
+                            torch.tensor_split(y, world)[rank],
+                        )
+                        F.mse_loss(model(lx, use[rank]), ly).backward()
+            opt.step()
+        if is_global:
+            got = {n: p.to_global(sbp=B).to_local().detach() for n, p in model.named_parameters()}
+        else:
+            got = {n.removeprefix("module."): p.detach() for n, p in model.named_parameters()}
+        out[label] = _errors(got, reference)
+    return out
+
+
+def test_parameters_used_in_some_micro_batches_or_ranks_only() -> None:
+    """A branch used only in early micro-batches (global DP and DDP) has its accumulated
+    gradient reduced at the end; a branch used on one rank only (DDP) gets the mean of that
+    rank's gradient and zeros: both equal single-process training, computed in the job."""
+    for per_rank in get_pool(2).run(partial_use_job):
+        assert per_rank and all(not errors for errors in per_rank.values()), per_rank
+
+
+# -- overlap, attribute pass-through, errors ------------------------------------------------
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _backward_events(kind: str) -> list[str]:
+    """Events of one backward: a gradient computed (tensor hook) or a bucket launched."""
+    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    events: list[str] = []
+    x = torch.randn(4, 16)
+    if kind == "global":
+        model: nn.Module = Deep().to_global(placement, B)
+        sync_gradients(model, bucket_cap_mb=1e-6)  # one bucket per parameter
+        x = x.to_global(placement, S0)
+    else:
+        model = DistributedDataParallel(Deep(), bucket_cap_mb=1e-6)
+    for name, p in model.named_parameters():
+        short = name.removeprefix("module.")
+        p.register_hook(lambda g, short=short: events.append(f"grad {short}"))
+    with _recording_launches(events):
+        model(x).pow(2).sum().backward()  # gradients arrive partial (biases too)
+    return events
+
+
+def overlap_job() -> dict[str, list[str]]:
+    torch.manual_seed(0)
+    return {kind: _backward_events(kind) for kind in ("global", "ddp")}
+
+
+def test_bucket_launches_overlap_backward() -> None:
+    """With one bucket per parameter, the last layer's bucket is launched while backward is
+    still computing earlier layers' gradients, for global DP and for DDP."""
+    for per_rank in get_pool(2).run(overlap_job):
+        for kind, events in per_rank.items():
+            launches = [i for i, e in enumerate(events) if e.startswith("launch")]
+            grads = [i for i, e in enumerate(events) if e.startswith("grad")]
+            assert len(launches) == 8 and len(grads) == 8, (kind, events)
+            assert launches[0] < grads[-1], (kind, events)
+            assert events[grads[0]].startswith("grad layers.3."), (kind, events)
+            assert events[grads[-1]].startswith("grad layers.0."), (kind, events)
+            # every bucket but the first layer's last one is launched before the last gradient
+            assert sum(i < grads[-1] for i in launches) >= 6, (kind, events)
+
+
+class WithAttributes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2, 1))
+        self.lr = 0.01
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def misuse_job() -> list[str]:
+    """The messages of each misuse (TypeError/ValueError), and attribute pass-through."""
+    world = sbpflow.env.get_world_size()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    ddp = DistributedDataParallel(WithAttributes())
+    assert ddp.lr == 0.01 and isinstance(ddp.module, WithAttributes) and ddp.w is ddp.module.w
+    messages = []
+    cases: list[Callable[[], Any]] = [
+        lambda: sync_gradients(WithAttributes()),
+        lambda: sync_gradients(WithAttributes().to_global(placement, B), bucket_cap_mb=0),
+        lambda: DistributedDataParallel(WithAttributes().to_global(placement, B)),
+        lambda: DistributedDataParallel(WithAttributes(), bucket_cap_mb="25"),
+    ]
+    for case in cases:
+        try:
+            case()
+        except (TypeError, ValueError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+        else:
+            messages.append("no error")
+    model = WithAttributes().to_global(placement, B)
+    sync_gradients(model)
+    try:
+        sync_gradients(model)
+    except ValueError as error:
+        messages.append(f"ValueError: {error}")
+    return messages
+
+
+def test_misuse_is_a_clear_error() -> None:
+    """Local modules to sync_gradients, global ones to DDP, bad bucket sizes, syncing twice."""
+    for messages in get_pool(2).run(misuse_job):
+        assert messages[0].startswith("TypeError") and "DistributedDataParallel" in messages[0]
+        assert messages[1].startswith("ValueError") and "bucket_cap_mb" in messages[1]
+        assert messages[2].startswith("TypeError") and "sync_gradients" in messages[2]
+        assert messages[3].startswith("TypeError") and "'25'" in messages[3]
+        assert messages[4].startswith("ValueError") and "already synced" in messages[4]
