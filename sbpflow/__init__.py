@@ -4,7 +4,7 @@
 engine turns one layout into another with collectives. See ``docs/``.
 """
 
-from . import boxing, env, sbp, utils
+from . import boxing, env, nn, sbp, utils
 from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from ._visualize import visualize
 from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
@@ -23,6 +23,7 @@ __all__ = [
     "full",
     "is_global",
     "manual_seed",
+    "nn",
     "ones",
     "placement",
     "rand",
