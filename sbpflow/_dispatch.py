@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _rng
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
 from ._bounded import BoundedDict
 from ._global import GlobalTensor, Meta, meta_of, wrap
@@ -476,6 +477,7 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     comes from the op on their logical metadata, not on this rank's empty
     pieces (some meta kernels divide by the input's numel).
     """
+    _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
     meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
@@ -534,6 +536,9 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         metas = tuple(TensorMeta(tuple(meta_flat[i].shape), meta_flat[i].dtype) for i in positions)
         decision = _Decision((), tuple(full for _ in metas), metas, positions)
         return _wrap_outputs_outside(func, decision, args, kwargs)
+    if _rng.draws(func, args, kwargs):  # NOTE [logical random state]: the same draw everywhere
+        device = next(t.device for t in tree_flatten(local_args)[0] if isinstance(t, torch.Tensor))
+        local_kwargs = {**local_kwargs, "generator": _rng.next_generator(args, kwargs, device)}
     out = func(*local_args, **local_kwargs)
     by_local = {}
     for g, local in written:
