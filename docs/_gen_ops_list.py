@@ -29,7 +29,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "reductions": ("sums, means, extrema, norms, variances", "reductions.py"),
     "views": ("views, reshapes, indexing, concatenation", "views.py"),
     "nn": (
-        "softmax and losses, batch/layer norm, embedding, convolution, pooling, dropout",
+        "softmax and losses, batch/layer norm, embedding, convolution, pooling, dropout and random "
+        "fills (`normal_`, `uniform_`, `bernoulli_`, `randint_like`, ...)",
         "nn_loss.py, nn_norm.py, nn_layers.py, nn_random.py",
     ),
     "attention": (

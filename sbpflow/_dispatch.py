@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _rng
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
 from ._bounded import BoundedDict
 from ._global import GlobalTensor, Meta, meta_of, wrap
@@ -43,7 +44,7 @@ from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
-from .comm import _groups
+from .comm import _errors, _groups
 from .comm._world import get_rank
 from .ops import _registry
 from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
@@ -100,7 +101,7 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @special(aten._local_scalar_dense.default, aten.item.default)
 def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``t.item()`` (and ``float(t)``, ``bool(t)``): the logical value, on every rank."""
-    return logical_value(args[0]).item()
+    return logical_value(args[0], "item()").item()
 
 
 # -- rules ----------------------------------------------------------------------------
@@ -157,6 +158,7 @@ def _run_rule(
         if g._layout.normalized() != layout.normalized():
             fast_key = None  # only calls that box nothing take the fast path
             assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
+            _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # for timeouts
             g = box_below_autograd(g, layout)
         local_flat[i] = g._local
     local_args, local_kwargs = tree_unflatten(local_flat, spec)
@@ -476,6 +478,7 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     comes from the op on their logical metadata, not on this rank's empty
     pieces (some meta kernels divide by the input's numel).
     """
+    _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
     meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
@@ -534,6 +537,9 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         metas = tuple(TensorMeta(tuple(meta_flat[i].shape), meta_flat[i].dtype) for i in positions)
         decision = _Decision((), tuple(full for _ in metas), metas, positions)
         return _wrap_outputs_outside(func, decision, args, kwargs)
+    if _rng.draws(func, args, kwargs):  # NOTE [logical random state]: the same draw everywhere
+        device = next(t.device for t in tree_flatten(local_args)[0] if isinstance(t, torch.Tensor))
+        local_kwargs = {**local_kwargs, "generator": _rng.next_generator(args, kwargs, device)}
     out = func(*local_args, **local_kwargs)
     by_local = {}
     for g, local in written:

@@ -4,11 +4,12 @@ Each rank builds only its own piece. Random tensors depend only on the seed
 (see NOTE [counter-based random]), never on the placement or SBP.
 
 # NOTE [counter-based random]
-# Element ``i`` (flat index in the logical tensor) of the ``k``-th random
-# tensor created since ``sbpflow.manual_seed(s)`` is murmur3_32 of the words
-# ``(s, k, stream, i)``: a full-avalanche hash, so neighbouring indices and
-# seeds give independent bits (a bare finaliser maps 0 to 0 and leaves small
-# inputs poorly mixed).
+# A random tensor of ``n`` elements takes positions ``offset .. offset + n - 1``
+# of the logical random state (NOTE [logical random state] in _rng.py). Its
+# element ``i`` (flat index in the logical tensor) is murmur3_32 of the words
+# ``(seed, stream, offset + i)``: a full-avalanche hash, so neighbouring
+# positions and seeds give independent bits (a bare finaliser maps 0 to 0 and
+# leaves small inputs poorly mixed).
 # A rank computes exactly its slice, split ranks get different slices of the
 # same logical tensor, broadcast ranks identical data, and no rank ever holds
 # more than its piece. Normal samples use Box-Muller on two such uniforms.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import _rng
 from ._global import GlobalTensor
 from ._layout import Layout, empty_local_shape, partial_piece
 from .comm._world import device_for, get_rank
@@ -30,18 +32,8 @@ from .sbp import normalize
 
 __all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
 
-_seed = 0
-_counter = 0
 _MASK32 = 0xFFFFFFFF
-
-
-def manual_seed(seed: int) -> None:
-    """Seed sbpflow's global random tensors (and torch's own generator)."""
-    global _seed, _counter
-    if not isinstance(seed, int):
-        raise TypeError(f"manual_seed takes an int, got {type(seed).__name__}.")
-    _seed, _counter = seed & 0xFFFFFFFFFFFF, 0
-    torch.manual_seed(seed)
+manual_seed = _rng.manual_seed
 
 
 def _shape_of(size: Sequence[Any]) -> tuple[int, ...]:
@@ -137,34 +129,35 @@ def _absorb(h: _Word, word: _Word) -> _Word:
     return mixed.add_(0xE6546B64).bitwise_and_(_MASK32)
 
 
-def _random_bits(index: torch.Tensor, stream: int) -> torch.Tensor:
-    """32 random bits per element: murmur3_32 of ``(seed, tensor number, stream, index)``.
+def _random_bits(position: torch.Tensor, seed: int, stream: int) -> torch.Tensor:
+    """32 random bits per element: murmur3_32 of ``(seed, stream, position)``.
 
-    The six 32-bit words are ``seed_lo, seed_hi, counter, stream, index_hi,
-    index_lo``. Words that are the same for every element (all but
-    ``index_lo``, and ``index_hi`` below 2**32 elements) are absorbed once in
-    Python, so a typical tensor costs one block and the finaliser in tensor ops.
+    The five 32-bit words are ``seed_lo, seed_hi, stream, position_hi,
+    position_lo``. Words that are the same for every element (all but
+    ``position_lo``, and ``position_hi`` while it does not change across the
+    tensor) are absorbed once in Python, so a typical tensor costs one block
+    and the finaliser in tensor ops.
     """
     h: _Word = 0
-    for word in (_seed & _MASK32, _seed >> 32, _counter & _MASK32, stream):
+    for word in (seed & _MASK32, (seed >> 32) & _MASK32, stream):
         h = _absorb(h, word)
-    high = index >> 32
-    if index.numel() == 0 or int(high.min()) == int(high.max()):
-        h = _absorb(h, int(high.min()) if index.numel() else 0)
+    high = position >> 32
+    if position.numel() == 0 or int(high.min()) == int(high.max()):
+        h = _absorb(h, int(high.min()) if position.numel() else 0)
     else:
         h = _absorb(h, high)
-    mixed = _absorb(h, index & _MASK32)
+    mixed = _absorb(h, position & _MASK32)
     assert isinstance(mixed, torch.Tensor)
-    return _fmix32(mixed.bitwise_xor_(24))  # type: ignore[return-value]  # 24 = bytes hashed
+    return _fmix32(mixed.bitwise_xor_(20))  # type: ignore[return-value]  # 20 = bytes hashed
 
 
-def _uniform(index: torch.Tensor, stream: int, bits: int = 32) -> torch.Tensor:
+def _uniform(position: torch.Tensor, seed: int, stream: int, bits: int = 32) -> torch.Tensor:
     """Uniform float64 in [0, 1) on a grid of ``2**-bits`` (``bits`` <= 32).
 
     Using no more bits than the target dtype's mantissa keeps the value below 1
     after the cast (1 - 2**-32 rounds to 1.0 in float32).
     """
-    return (_random_bits(index, stream) >> (32 - bits)).to(torch.float64) * (2.0**-bits)
+    return (_random_bits(position, seed, stream) >> (32 - bits)).to(torch.float64) * (2.0**-bits)
 
 
 def _mantissa_bits(dtype: torch.dtype) -> int:
@@ -187,22 +180,20 @@ def randn(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None 
 
 def _random(size: Sequence[Any], placement: Any, sbp: Any, dtype: torch.dtype | None,
             requires_grad: bool, name: str) -> GlobalTensor:  # fmt: skip
-    global _counter
     shape = _shape_of(size)
     layout = _layout_for(placement, sbp, len(shape), name)
     dtype = dtype or torch.get_default_dtype()
+    seed, offset = _rng.take(math.prod(shape))  # on every rank, in the placement or not
 
     def make(box: Any, device: torch.device) -> torch.Tensor:
-        index = _flat_index(box, shape, device)
+        position = _flat_index(box, shape, device).add_(offset)
         if name == "rand":
-            return _uniform(index, 0, _mantissa_bits(dtype))
+            return _uniform(position, seed, 0, _mantissa_bits(dtype))
         # Box-Muller; 1 - u is in (0, 1], so the log is finite (|z| < 6.7 at 32 bits).
-        radius = torch.sqrt(-2.0 * torch.log1p(-_uniform(index, 0)))
-        return radius * torch.cos(2 * math.pi * _uniform(index, 1))
+        radius = torch.sqrt(-2.0 * torch.log1p(-_uniform(position, seed, 0)))
+        return radius * torch.cos(2 * math.pi * _uniform(position, seed, 1))
 
-    out = _build(shape, layout, dtype, make, requires_grad)
-    _counter += 1
-    return out
+    return _build(shape, layout, dtype, make, requires_grad)
 
 
 def full(*size: Any, fill_value: Any, placement: Placement, sbp: Any,

@@ -15,6 +15,29 @@
 # any mismatch a second round gathers readable descriptions and every rank
 # raises the same ``ValueError``. Nothing hangs: the collectives are
 # fixed-size and bounded by the collective timeout (SBPFLOW_TIMEOUT).
+#
+# NOTE [call agreement]
+# Every user-level call that communicates (``to_global``; reading a global
+# tensor's value: ``item()``, ``tolist()``, ``print``) starts with the same
+# collective, ``agree``: an all_reduce of two int64 over the control group
+# (NOTE [control group]) of a hash of the call's name, the user's line making
+# it, and the metadata that must match. Two ranks in different calls (rank 0 in
+# ``loss.item()`` under ``if rank == 0`` while rank 1 went on to ``to_global``)
+# so enter the same collective, see different hashes and raise the same
+# ``CollectiveError`` at once, naming each rank's call and line, instead of
+# pairing unrelated collectives (which gloo answers by aborting the process, or
+# worse, by completing them with each other's data). The line is in the hash
+# for that last reason: two ranks reading different tensors of one shape at
+# two lines would otherwise each get a mix of both. Before the all_reduce each
+# rank publishes its call on the store (NOTE [what the ranks were doing]) for
+# the errors that are timeouts: a peer that went on to an op's boxing, or to
+# code that never calls sbpflow again.
+# Cost per call (bench/meta_check/run.py, 2 gloo ranks on one busy 2-core
+# host, min / median): finding the user's line 1 / 1 us, publishing it 3 / 8 us
+# (a ``set`` waits for no reply), next to 140-210 / 250-350 us for the
+# all_reduce itself, which ``agree`` made before as well. A local -> global
+# ``to_global`` now makes two collectives (the agreement, then the all_to_all
+# of shapes): about twice the time of the single all_to_all it made before.
 """
 
 from __future__ import annotations
@@ -26,6 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from .comm import collectives
+from .comm._errors import CollectiveError, publish, user_site
+from .comm._world import get_rank, get_world_size
 
 MAX_DIMS = 16
 _HEADER = 8
@@ -76,6 +101,22 @@ class RankMeta:
         return stable_hash(",".join(map(str, self._encoded)))
 
 
+@functools.lru_cache(maxsize=4096)
+def _call_hash(call: str, site: str) -> int:
+    return stable_hash(f"{call} at {site}")
+
+
+def _enter(call: str) -> tuple[str, int]:
+    """Publish this rank's call; return the user's line and the call's hash (NOTE [call agreement])."""
+    site = user_site()
+    publish(call, site)
+    return site, _call_hash(call, site)
+
+
+# Calls that read a global tensor's value (their errors explain that this is a collective).
+READING_CALLS = ("item()", "tolist()", "numpy()", "print()", "format()")
+
+
 @dataclass(frozen=True)
 class Gathered:
     shapes: list[tuple[int, ...]]  # per world rank (as passed)
@@ -92,8 +133,15 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
             mine.error or f"tensors with more than {MAX_DIMS} dims are not supported (got {len(mine.shape)})",
             mine.dtype, mine.shape[:MAX_DIMS], mine.placement, mine.sbp, mine.in_placement,
         )  # fmt: skip
+    if get_world_size() == 1:
+        return Gathered([mine.shape])
+    site, call_hash = _enter(what)
+    encoded = mine.encoded()
+    must_match = encoded[:5] + (encoded[_HEADER:] if compare_shapes else [])
+    if not collectives.same_on_every_rank(stable_hash(repr(must_match)) ^ call_hash):
+        _raise_everywhere(mine, what, compare_shapes, site)
     # Decoded as Python lists: per-element tensor indexing costs ~100 us per call.
-    rows = collectives.all_gather_meta(mine.encode())
+    rows = collectives.all_gather_meta(encoded)
     shapes = [tuple(row[_HEADER : _HEADER + row[2]]) for row in rows]
     errors_flagged = any(row[0] for row in rows)
     columns = [1, 3, 4] + ([2] if not compare_shapes else [])
@@ -101,7 +149,7 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
     if compare_shapes:
         disagree = disagree or len(set(shapes)) > 1
     if errors_flagged or disagree:
-        _raise_everywhere(mine, what, compare_shapes)
+        _raise_everywhere(mine, what, compare_shapes, site)
     return Gathered(shapes)
 
 
@@ -109,14 +157,21 @@ def agree(mine: RankMeta, what: str) -> None:
     """The fast form of ``exchange`` for calls whose whole vector must match on every rank.
 
     The vector's hash is cached on ``mine``; the check is one all_reduce of
-    two int64 values, and only a mismatch pays for readable messages.
+    two int64 values, and only a mismatch pays for readable messages. ``what``
+    names the call; with the user's line it must match too (NOTE [call agreement]).
     """
-    if not collectives.same_on_every_rank(mine.digest):
-        _raise_everywhere(mine, what, compare_shapes=True)
+    if get_world_size() == 1:
+        return
+    site, call_hash = _enter(what)
+    if not collectives.same_on_every_rank(mine.digest ^ call_hash):
+        _raise_everywhere(mine, what, compare_shapes=True, site=site)
 
 
-def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:
-    metas: list[RankMeta] = collectives.all_gather_object(mine)
+def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool, site: str) -> None:
+    entries: list[tuple[RankMeta, str, str]] = collectives.all_gather_object((mine, what, site))
+    if len({(call, where) for _, call, where in entries}) > 1:
+        raise CollectiveError(_different_calls(entries))
+    metas = [meta for meta, _, _ in entries]
     errors = [(r, m.error) for r, m in enumerate(metas) if m.error]
     if errors:
         lines = "\n".join(f"  rank {r}: {e}" for r, e in errors)
@@ -144,3 +199,27 @@ def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool) -> None:
         "and must pass the same placement, SBP and dtype (and, for global tensors, shape). "
         "Check for rank-dependent branches before this call."
     )
+
+
+def _different_calls(entries: list[tuple[RankMeta, str, str]]) -> str:
+    """The error when ranks entered different calls: who was where, and why it matters."""
+    me = get_rank()
+    _, call, site = entries[me]
+    others = ", ".join(
+        f"rank {r} was in {c} at {s}"
+        for r, (_, c, s) in enumerate(entries)
+        if (c, s) != (call, site)
+    )
+    reading = [(m, c) for m, c, _ in entries if c in READING_CALLS]
+    if reading:
+        partial = any("P" in m.sbp for m, _ in reading)
+        hint = (
+            f"reading a {'partial ' if partial else ''}global tensor ({reading[0][1]}) is a "
+            "collective: call it on every rank, or read this rank's piece with t.to_local()."
+        )
+    else:
+        hint = (
+            "every rank must make the same sbpflow calls in the same order: look for "
+            "rank-dependent branches (if rank == 0: ...) around these lines."
+        )
+    return f"sbpflow: {others} while rank {me} waited in {call} at {site} — {hint}"

@@ -7,6 +7,9 @@
 # the value). Like any collective, every rank must make the same call: a
 # ``print(loss.item())`` under ``if rank == 0`` hangs the other ranks' peers.
 # Read the local piece with ``t.to_local()`` when only this rank should look.
+# A read that only some ranks make is an error on every rank, naming each
+# rank's call and line, at once or (if a peer is busy elsewhere) at the
+# collective timeout (NOTE [call agreement] in _meta_check.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 
 import torch
 
+from . import _meta_check
+from ._bounded import BoundedDict
 from ._global import GlobalTensor
 from ._layout import Layout
 from .boxing._redistribute import box_below_autograd
@@ -33,8 +38,35 @@ def _reading_placement(placement: Placement) -> Placement:
     return Placement(placement.type, list(range(world)))
 
 
-def logical_value(t: GlobalTensor) -> torch.Tensor:
-    """The whole logical tensor as a plain (detached) tensor on every rank. A collective."""
+def _agree_on_reading(t: GlobalTensor, call: str) -> None:
+    """Every rank must be reading this tensor at this line (NOTE [call agreement])."""
+    key = (t._layout, tuple(t.shape), t.dtype)
+    mine = _reading_metas.get(key)
+    if mine is None:
+        mine = _reading_metas[key] = _meta_check.RankMeta(
+            error=None,
+            dtype=t.dtype,
+            shape=tuple(t.shape),
+            placement=repr(t.placement),
+            sbp=sbp_str(t.sbp),
+            in_placement=False,  # differs by rank and is not compared
+        )
+    _meta_check.agree(mine, call)
+
+
+# The encoded metadata of tensors read before (a training loop reads the same loss shape).
+READING_METAS_BOUND = 1024
+_reading_metas: BoundedDict[Any, _meta_check.RankMeta] = BoundedDict(
+    "reading meta checks", READING_METAS_BOUND
+)
+
+
+def logical_value(t: GlobalTensor, call: str = "print()") -> torch.Tensor:
+    """The whole logical tensor as a plain (detached) tensor on every rank. A collective.
+
+    ``call`` names the user's call reading it (``item()``, ``tolist()``, ...) in errors.
+    """
+    _agree_on_reading(t, call)
     target = _reading_placement(t.placement)
     dst = Layout(target, tuple(Broadcast() for _ in range(target.ndim)))
     if t._layout.normalized() == dst.normalized():
@@ -57,7 +89,7 @@ def global_repr(t: GlobalTensor) -> str:
 def global_format(t: GlobalTensor, spec: str) -> Any:
     """``format(t, spec)``: a 0-dim tensor formats its value (``f"{loss:>7f}"``)."""
     if t.dim() == 0:
-        return logical_value(t).item().__format__(spec)
+        return logical_value(t, "format()").item().__format__(spec)
     if spec:
         raise TypeError(
             f"unsupported format string {spec!r} for a global tensor of shape {list(t.shape)}; "

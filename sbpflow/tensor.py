@@ -76,7 +76,7 @@ def _to_local_method(self: GlobalTensor) -> torch.Tensor:
 
 def _tolist(self: GlobalTensor) -> Any:
     """The logical value as nested lists, on every rank (a collective)."""
-    return logical_value(self).tolist()
+    return logical_value(self, "tolist()").tolist()
 
 
 def _numpy(self: GlobalTensor, *, force: bool = False) -> Any:
@@ -86,7 +86,7 @@ def _numpy(self: GlobalTensor, *, force: bool = False) -> Any:
             "Can't call numpy() on a global tensor that requires grad; "
             "use t.detach().numpy() instead."
         )
-    return logical_value(self).numpy(force=force)
+    return logical_value(self, "numpy()").numpy(force=force)
 
 
 def _repr(self: GlobalTensor, *, tensor_contents: Any = None) -> str:

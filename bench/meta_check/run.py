@@ -7,6 +7,8 @@ One run starts a pool of ``N`` gloo ranks per world size on this machine
   the same metadata), as ``g.to_global(sbp=...)`` runs it;
 - ``exchange``: the check of a local -> global conversion (the ranks' local
   shapes are gathered, the logical shape is computed from them);
+- ``user_site`` and ``publish``: finding the user's line and telling the store
+  about the call, which every check does before its collective;
 - with ``--candidates``, the bare collectives the check could be built on, on
   the world's gloo group: an all_gather of the 24-value metadata vector, an
   all_to_all of that vector repeated once per rank, an all_reduce (MAX) of
@@ -44,6 +46,7 @@ if str(ROOT) not in sys.path:
 import sbpflow  # noqa: E402
 from bench._report import machine  # noqa: E402
 from sbpflow import _meta_check  # noqa: E402
+from sbpflow.comm import _errors  # noqa: E402
 from sbpflow.testing import DistributedPool  # noqa: E402
 
 _BLOCK = 50
@@ -57,6 +60,9 @@ def _check_calls(world: int) -> dict[str, Callable[[], Any]]:
     return {
         "agree": lambda: _meta_check.agree(boxing, "to_global (boxing)"),
         "exchange": lambda: _meta_check.exchange(local, "to_global", compare_shapes=False),
+        # What each check adds before its collective (NOTE [call agreement]).
+        "user_site": _errors.user_site,
+        "publish (store.set)": lambda: _errors.publish("to_global", "run.py:1"),
     }
 
 

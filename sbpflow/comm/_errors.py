@@ -1,15 +1,112 @@
-"""The error every failed collective becomes: it names the operation and the ranks."""
+"""The error every failed collective becomes: it names the operation, the ranks, and what
+each rank was doing.
+
+# NOTE [what the ranks were doing]
+# A collective that times out says little by itself: the rank that waits
+# cannot see that its peer went on to another call. So each rank publishes its
+# current sbpflow call on the backend's store (torch.distributed's default
+# store, which every rank reaches) as it enters a user-level call (to_global,
+# reading a global tensor's value) or boxes an op's inputs:
+#   key ``sbpflow/call/<rank>``, value ``"to_global at train.py:42"``,
+# where ``train.py:42`` is the first stack frame outside sbpflow, torch and the
+# standard library: the user's line. A ``set`` is one message to the store
+# with no reply to wait for (under 10 us; NOTE [call agreement] in
+# _meta_check.py has the numbers). Only a failure reads the others' entries
+# (``check`` first, so a rank that never published costs no wait) and the
+# error then says, e.g., "rank 1 was last in to_global at train.py:42".
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
+from types import FrameType
+
+import torch
+import torch.distributed as dist
 
 from ._world import timeout_seconds
 
 
+def _dir(path: str) -> str:
+    return os.path.realpath(path) + os.sep
+
+
+# Frames in these directories are not the user's (sbpflow, torch, the standard library).
+_SKIPPED_DIRS = (
+    _dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    _dir(os.path.dirname(torch.__file__)),
+    _dir(sysconfig.get_paths()["stdlib"]),
+)
+_outside: dict[str, bool] = {}  # per source file name: one realpath each
+_KEY = "sbpflow/call/"
+_current = ""  # this rank's latest published call
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the operation and ranks."""
+
+
+def user_site() -> str:
+    """``file.py:line`` of the first stack frame outside sbpflow, torch and the standard library."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        outside = _outside.get(name)
+        if outside is None:
+            outside = not name.startswith("<") and not _dir(name).startswith(_SKIPPED_DIRS)
+            _outside[name] = outside
+        if outside:
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "an unknown line"
+
+
+def _store() -> dist.Store | None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def publish(call: str, site: str) -> None:
+    """Tell the other ranks that this rank is now in ``call`` at ``site`` (a user's line)."""
+    global _current
+    _current = f"{call} at {site}"
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError, OSError):
+            store.set(f"{_KEY}{dist.get_rank()}", _current)
+
+
+def others_calls() -> dict[int, str]:
+    """The latest call each other rank published (ranks that published none are left out)."""
+    store = _store()
+    if store is None:
+        return {}
+    me, found = dist.get_rank(), {}
+    for rank in range(dist.get_world_size()):
+        key = f"{_KEY}{rank}"
+        if rank == me:
+            continue
+        with contextlib.suppress(RuntimeError, OSError):
+            if store.check([key]):
+                found[rank] = store.get(key).decode()
+    return found
+
+
+def _doing() -> str:
+    others = others_calls()
+    if not others:
+        return ""
+    lines = "; ".join(f"rank {r} was last in {call}" for r, call in sorted(others.items()))
+    mine = f" while this rank waited in {_current}" if _current else ""
+    return f" {lines[0].upper()}{lines[1:]}{mine}."
 
 
 @contextlib.contextmanager
@@ -34,5 +131,5 @@ def named(op: str, ranks: Sequence[int]) -> Iterator[None]:
                 "SBPFLOW_TIMEOUT to change the limit."
             )
         raise CollectiveError(
-            f"sbpflow: {op} over ranks {list(ranks)} failed.{hint} Backend said: {text}"
+            f"sbpflow: {op} over ranks {list(ranks)} failed.{hint}{_doing()} Backend said: {text}"
         ) from error

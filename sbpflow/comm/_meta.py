@@ -1,4 +1,4 @@
-"""Small collectives over the whole world's gloo group, for the metadata check.
+"""Small collectives over the world, for the metadata check, on a gloo group of their own.
 
 # NOTE [meta check collectives]
 # Every checked ``to_global`` makes one of these calls, so each is a single
@@ -15,8 +15,18 @@
 #     rank: one message to each peer, all at once, where gloo's ring
 #     all_gather takes world - 1 hops in sequence; it beat all_gather and an
 #     all_reduce (SUM) of a world x width table with one row set per rank.
-# Both are bounded by the world group's timeout (SBPFLOW_TIMEOUT). Only a
-# mismatch pays for ``all_gather_object`` (pickles), to word the error.
+# Both are bounded by the group's timeout (SBPFLOW_TIMEOUT). Only a mismatch
+# pays for ``all_gather_object`` (pickles), to word the error.
+#
+# NOTE [control group]
+# These checks run on a gloo group of their own over the world (the control
+# group, made on every rank when the world is set up), not on the world group
+# that boxing uses. gloo pairs the k-th collective of one rank with the k-th of
+# its peers on the same group, whatever they are: two ranks in collectives of
+# different sizes on one group make gloo abort the process
+# ("op.preamble.length <= op.nbytes"), with no message. A rank in a check
+# (``loss.item()`` under ``if rank == 0``) while a peer boxes an op's inputs
+# then only waits, on another group, and both fail cleanly at the timeout.
 """
 
 from __future__ import annotations
@@ -29,12 +39,34 @@ import torch.distributed as dist
 
 from ._compat import all_gather_single
 from ._errors import named
-from ._groups import world_group
+from ._world import ensure_initialized, on_teardown, on_world_ready, timeout_delta
+
+_control: dict[str, dist.ProcessGroup | None] = {}
+
+
+def _make_control_group() -> None:
+    world = dist.get_world_size()
+    _control["cpu"] = (
+        None
+        if world == 1
+        else dist.new_group(list(range(world)), backend="gloo", timeout=timeout_delta())
+    )
+
+
+on_world_ready(_make_control_group)
+on_teardown(_control.clear)  # NOTE [teardown]
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The checks' gloo group over every rank (NOTE [control group]); None in a world of one."""
+    if "cpu" not in _control:
+        ensure_initialized()  # runs _make_control_group on first use (NOTE [world ready])
+    return _control.get("cpu")
 
 
 def all_gather_meta(values: Sequence[int]) -> list[list[int]]:
     """Gather one vector of int64 values per world rank, in rank order."""
-    handle = world_group("cpu")
+    handle = control_group()
     if handle is None:
         return [list(values)]
     world = dist.get_world_size()
@@ -53,7 +85,7 @@ def same_on_every_rank(value: int) -> bool:
     and minus the smallest, equal on every rank, and they match only if
     every rank passed the same value.
     """
-    handle = world_group("cpu")
+    handle = control_group()
     if handle is None:
         return True
     pair = torch.tensor([value, -value], dtype=torch.int64)
@@ -65,7 +97,7 @@ def same_on_every_rank(value: int) -> bool:
 
 def all_gather_object(obj: object) -> list:
     """Gather one picklable object per world rank (slow path, for error reports)."""
-    handle = world_group("cpu")
+    handle = control_group()
     if handle is None:
         return [obj]
     with named("metadata check (all_gather_object)", range(dist.get_world_size())):

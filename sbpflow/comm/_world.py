@@ -22,13 +22,16 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-_DEFAULT_TIMEOUT_S = 300.0
+# Long enough for a slow step (a large checkpoint write between collectives, a
+# first CUDA kernel compile), short enough that a hang surfaces while the user
+# still watches; SBPFLOW_TIMEOUT or set_timeout change it.
+_DEFAULT_TIMEOUT_S = 120.0
 _RENDEZVOUS_TIMEOUT_S = 600.0  # ranks may start minutes apart on a busy cluster
 _timeout_s: float | None = None
 
 
 def timeout_seconds() -> float:
-    """Seconds a collective may wait before it fails (``SBPFLOW_TIMEOUT``, default 300)."""
+    """Seconds a collective may wait before it fails (``SBPFLOW_TIMEOUT``, default 120)."""
     if _timeout_s is not None:
         return _timeout_s
     value = os.environ.get("SBPFLOW_TIMEOUT")

@@ -1,24 +1,31 @@
-"""Dropout and Bernoulli draws whose values do not depend on the layout.
+"""Random ops on global tensors: dropout, Bernoulli draws and in-place random fills.
 
 # NOTE [random ops]
-# A random op on a global tensor must give the logical tensor one process
-# would draw: broadcast ranks the same mask, split ranks different slices of
-# that one mask. Each rank draws the WHOLE logical mask with torch's own
-# generator, exactly as a single process would (same call, same dtype, same
-# shape), and keeps its piece. So with ``torch.manual_seed(s)`` on every rank
-# (``sbpflow.manual_seed`` does that) the result equals a single-process run's
-# slice bit for bit, and the ranks' generators stay in step. The price is a
-# draw of the full logical size on every rank; dropout masks are cheap next to
-# the matmuls around them. A rank outside the placement skips the op and so
-# does not advance its generator.
+# A random op on a global tensor gives the logical tensor of the logical
+# program: broadcast ranks the same values, split ranks different slices of
+# one draw, whatever earlier ops a rank sat out (NOTE [logical random state] in
+# _rng.py). Each rank claims the op's positions in the logical state and draws
+# the WHOLE logical tensor with torch's own kernel (same call, dtype and shape
+# as one process would make) on a generator seeded for those positions, then
+# keeps its piece. So the result is a function of (seed, offset, shape) only,
+# and a rank outside the placement advances the offset without drawing. The
+# price is a draw of the full logical size on every rank of the placement;
+# dropout masks are cheap next to the matmuls around them. A call given its own
+# ``generator=`` draws from it as given (the caller keeps it in step).
+#
+# Random ops without a rule here (``normal.Tensor_float``, ``multinomial``,
+# ...) fall back to broadcast inputs; the fallback hands them the logical
+# generator too, so every rank draws the same values.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .. import _rng
 from .._layout import Layout
 from ..sbp import Split
 from ._helpers import B, P, bind, local_piece
@@ -29,11 +36,17 @@ aten = torch.ops.aten
 __all__: list[str] = []
 
 
-def _draw(shape: tuple[int, ...], like: torch.Tensor, p: float, generator: Any) -> torch.Tensor:
-    """The full logical Bernoulli(p) draw, as a single process would make it."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(
-        p, generator=generator
-    )
+def logical_generator(bound: dict[str, Any], ctx: LocalContext, device: torch.device) -> Any:
+    """The generator this call draws with: its own, or the logical state's next draw."""
+    own = bound.get("generator")
+    if own is not None:
+        return own
+    seed, offset = _rng.take(math.prod(ctx.input_metas[0].shape))
+    return _rng.generator(seed, offset, device)
+
+
+def _full(ctx: LocalContext, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(ctx.input_metas[0].shape, dtype=like.dtype, device=like.device)
 
 
 def _any_layout(info: OpInfo) -> list[Strategy]:
@@ -48,7 +61,8 @@ def _bernoulli_local(
 ) -> Any:
     bound = bind(func, args, kwargs)
     self = bound["self"]
-    full = _draw(ctx.input_metas[0].shape, self, bound.get("p", 0.5), bound.get("generator"))
+    gen = logical_generator(bound, ctx, self.device)
+    full = _full(ctx, self).bernoulli_(bound.get("p", 0.5), generator=gen)
     piece = local_piece(full, ctx.output_layouts[0], ctx.rank)
     if func is aten.bernoulli_.float:
         return self.copy_(piece)
@@ -61,10 +75,59 @@ def bernoulli_rule(info: OpInfo) -> list[Strategy]:
     return _any_layout(info)
 
 
-@register(aten.bernoulli.default, family="nn")
+def _bernoulli_probabilities_local(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext
+) -> Any:
+    bound = bind(func, args, kwargs)
+    p = bound["self"]  # broadcast: the whole logical tensor of probabilities
+    return torch.bernoulli(p, generator=logical_generator(bound, ctx, p.device))
+
+
+@register(aten.bernoulli.default, family="nn", local=_bernoulli_probabilities_local)
 def bernoulli_probabilities_rule(info: OpInfo) -> list[Strategy]:
     """Probabilities per element: drawn whole on every rank (B), as one process would."""
     return [Strategy((B,), (B,))]
+
+
+def _fill_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext) -> Any:
+    bound = bind(func, args, kwargs)
+    self = bound["self"]
+    gen = logical_generator(bound, ctx, self.device)
+    full = func(_full(ctx, self), *args[1:], **{**kwargs, "generator": gen})
+    return self.copy_(local_piece(full, ctx.output_layouts[0], ctx.rank))
+
+
+@register(
+    aten.uniform_.default, aten.normal_.default, aten.random_.default, getattr(aten.random_, "from"),
+    aten.random_.to, aten.exponential_.default, aten.geometric_.default,
+    aten.log_normal_.default, aten.cauchy_.default, aten.bernoulli_.Tensor,
+    family="nn", local=_fill_local,
+)  # fmt: skip
+def random_fill_rule(info: OpInfo) -> list[Strategy]:
+    """The written tensor keeps its layout (``nn.init.normal_`` on a split weight);
+    a probability tensor (``bernoulli_(p)``) is read whole."""
+    rest = tuple(B for _ in info.inputs[1:])
+    return [Strategy((info.current[0], *rest), (info.current[0],))]
+
+
+def _randint_like_local(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext
+) -> Any:
+    bound = bind(func, args, kwargs)
+    meta, device = ctx.output_metas[0], args[0].device
+    gen = logical_generator(bound, ctx, device)
+    full = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    full.random_(bound.get("low", 0), bound["high"], generator=gen)
+    return local_piece(full, ctx.output_layouts[0], ctx.rank)
+
+
+@register(
+    aten.randint_like.default, aten.randint_like.low_dtype, family="nn", local=_randint_like_local
+)
+def randint_like_rule(info: OpInfo) -> list[Strategy]:
+    """The input as it is (its values are not read); the output follows its splits."""
+    current = info.current[0]
+    return [Strategy((current,), (current if isinstance(current, Split) else B,))]
 
 
 def _native_dropout_local(
@@ -79,7 +142,8 @@ def _native_dropout_local(
     # partial piece is masked the same way, so their sum is masked.
     layout = ctx.input_layouts[0]
     mask_layout = Layout(layout.placement, tuple(B if s.is_partial else s for s in layout.sbp))
-    mask = local_piece(_draw(ctx.input_metas[0].shape, x, keep, None), mask_layout, ctx.rank)
+    gen = logical_generator(bound, ctx, x.device)
+    mask = local_piece(_full(ctx, x).bernoulli_(keep, generator=gen), mask_layout, ctx.rank)
     scale = 0.0 if keep == 0 else 1.0 / keep
     return x * mask * scale, mask.to(torch.bool)
 

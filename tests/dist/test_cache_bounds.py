@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import _bounded, _dispatch, _global, tensor
+from sbpflow import _bounded, _dispatch, _global, _printing, tensor
 from sbpflow.boxing import _transfer, planner
 from sbpflow.ops import views
 from sbpflow.sbp import broadcast, split
@@ -26,6 +26,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
     bounded = [
         (_global._metas, _global.METAS_BOUND),
         (tensor._boxing_metas, tensor.BOXING_METAS_BOUND),
+        (_printing._reading_metas, _printing.READING_METAS_BOUND),
         (_dispatch._decisions, _dispatch.DECISIONS_BOUND),
         (_dispatch._fast, _dispatch.FAST_BOUND),
     ]

@@ -1,10 +1,11 @@
-"""The metadata check (NOTE [meta check]) over the world's gloo group.
+"""The metadata check (NOTE [meta check]) over the world, on the control group.
 
 A disagreement must become the same readable ``ValueError`` on every rank,
 also when a single rank of four differs; local -> global must still learn
 every rank's local shape (the logical shape is compared with the one the test
-computes in one process); each check must be one small collective; a rank
-that dies must not leave the others waiting for the collective timeout.
+computes in one process); each check must be small collectives of a fixed
+size, the same first one for every check (NOTE [call agreement]); a rank that
+dies must not leave the others waiting for the collective timeout.
 """
 
 from __future__ import annotations
@@ -122,13 +123,14 @@ def _collectives_of_each_check() -> dict[str, list[tuple[str, int]]]:
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
-def test_each_check_is_one_small_collective(dist_pool: DistributedPool) -> None:
-    """agree all-reduces [hash, -hash]; exchange sends the metadata vector to every rank."""
+def test_each_check_is_small_fixed_size_collectives(dist_pool: DistributedPool) -> None:
+    """agree all-reduces [hash, -hash]; exchange does the same (the call agreement), then
+    sends the metadata vector to every rank."""
     world = dist_pool.world_size
     width = _meta_check._HEADER + _meta_check.MAX_DIMS
     for seen in dist_pool.run(_collectives_of_each_check):
         assert seen["agree"] == [("all_reduce", 2)], seen
-        assert seen["exchange"] == [("all_to_all_single", world * width)], seen
+        assert seen["exchange"] == [("all_reduce", 2), ("all_to_all_single", world * width)], seen
 
 
 def _rank_one_exits() -> str:
@@ -157,7 +159,7 @@ def test_a_rank_that_exits_is_noticed_long_before_the_timeout(
     else:
         assert isinstance(error, CollectiveError), error
     assert re.search(
-        r"sbpflow: metadata check \(all_gather\) over ranks \[0, 1\] failed\. A peer rank closed "
+        r"sbpflow: metadata check \(all_reduce\) over ranks \[0, 1\] failed\. A peer rank closed "
         r"its connection",
         str(error),
     ), str(error)

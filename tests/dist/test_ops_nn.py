@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import sbpflow
+from sbpflow import _rng
 from sbpflow.sbp import Broadcast, Partial, Split
 from sbpflow.testing import DistributedPool
 
@@ -60,6 +61,20 @@ def _bn_aten(variant: str):
             )[0]
         # Fold the (updated) running statistics into the result so they are compared too.
         return out + (mean * 3 + var).sum()
+
+    return fn
+
+
+def _dropout(p: float, native: bool = False):
+    """Dropout; the plain reference draws by hand the mask the logical program's next random
+    op draws: ``bernoulli_(1 - p)`` of the whole tensor on a generator seeded for the
+    logical random state's current position (NOTE [logical random state])."""
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        if sbpflow.is_global(a):
+            return aten.native_dropout(a, p, True)[0] if native else F.dropout(a, p)
+        gen = torch.Generator().manual_seed(_rng.stream_seed(*_rng.state()))
+        return a * torch.empty(a.shape).bernoulli_(1 - p, generator=gen) / (1 - p)
 
     return fn
 
@@ -189,16 +204,10 @@ def _one_axis_cases() -> list[Case]:
             "mse sum", lambda a, b: F.mse_loss(a, b, reduction="sum"), [x, x * 0.5], [S1, S1], (P,)
         ),
         Case("mse none", lambda a, b: F.mse_loss(a, b, reduction="none"), [x, -x], [S2, S2], (S2,)),
-        Case("dropout split", lambda a: F.dropout(a, 0.3), [x], [S1], (S1,), seed=3),
-        Case("dropout broadcast", lambda a: F.dropout(a, 0.5), [x], [B], (B,), seed=4),
-        Case(
-            "native_dropout split",
-            lambda a: aten.native_dropout(a, 0.3, True)[0],
-            [x],
-            [S0],
-            (S0,),
-            seed=5,
-        ),
+        Case("dropout split", _dropout(0.3), [x], [S1], (S1,)),
+        Case("dropout broadcast", _dropout(0.5), [x], [B], (B,)),
+        Case("dropout partial", _dropout(0.5), [x], [P], (P,)),
+        Case("native_dropout split", _dropout(0.3, native=True), [x], [S0], (S0,)),
         Case("max_pool2d", lambda a: F.max_pool2d(a, 2), [img], [S0], (S0,)),
         Case(
             "max_pool2d channels",
@@ -256,7 +265,7 @@ def _mesh_cases() -> list[Case]:
         Case(
             "layer norm", lambda a, b: F.layer_norm(a, (6,), b), [x, lw], [(S0, S1), BB], (S0, S1)
         ),
-        Case("dropout", lambda a: F.dropout(a, 0.25), [x], [(S0, S2)], (S0, S2), seed=7),
+        Case("dropout", _dropout(0.25), [x], [(S0, S2)], (S0, S2)),
     ]
 
 

@@ -1,0 +1,156 @@
+"""The random state of the logical program: one seed and one offset, the same on every rank.
+
+# NOTE [logical random state]
+# Every rank runs the same program, so a random op on a global tensor is the
+# same call on every rank; but a rank outside the op's placement skips the
+# computation (a pipeline stage sits out every other stage's ops), and local
+# code (data augmentation, a sampler) advances torch's per-process generator
+# differently on each rank. Drawing from torch's generator would let the ranks
+# fall out of step silently. So, as DTensor's offset-based tracker does, global
+# randomness draws from a state of its own, never from torch's default generator:
+#
+#   seed    set by ``sbpflow.manual_seed`` (0 until then);
+#   offset  how many random values the logical program has drawn so far.
+#
+# A random op whose first tensor argument has ``n`` logical elements reads
+# positions ``offset .. offset + n - 1`` and advances ``offset`` by ``n`` on
+# EVERY rank, inside its placement or not (the dispatcher calls ``skip`` where
+# it skips the op). What the values at those positions are is the op's business:
+# - factories (``sbpflow.randn``) hash (seed, position) per element, so a rank
+#   computes only its slice (NOTE [counter-based random] in _factories.py);
+# - torch's kernels (dropout, ``bernoulli_``, ``normal_``, ...) draw the whole
+#   logical tensor with a ``torch.Generator`` seeded by ``stream_seed(seed,
+#   offset)`` and keep this rank's piece: broadcast ranks get the same values,
+#   split ranks slices of one draw (see NOTE [random ops] in ops/nn_random.py).
+# A call given an explicit ``generator=`` uses it as given and leaves the state
+# alone: keeping that generator in step across ranks is then the caller's job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "draw_numel",
+    "draws",
+    "generator",
+    "manual_seed",
+    "next_generator",
+    "skip",
+    "state",
+    "stream_seed",
+    "take",
+]
+
+_MASK64 = (1 << 64) - 1
+_seed = 0
+_offset = 0
+_generators: dict[torch.device, torch.Generator] = {}
+
+# Random ops whose schema has no ``generator`` argument (native_dropout draws unless train=False).
+_DRAWS_WITHOUT_GENERATOR = {
+    torch.ops.aten.native_dropout.default,
+    torch.ops.aten.randint_like.default,
+    torch.ops.aten.randint_like.low_dtype,
+}
+
+
+def manual_seed(seed: int) -> None:
+    """Seed sbpflow's global randomness (and torch's own generator, for local code).
+
+    Every rank must pass the same seed: random global tensors and dropout masks
+    then depend only on it and on the program, never on placements or SBPs.
+    """
+    global _seed, _offset
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"manual_seed takes an int, got {type(seed).__name__}.")
+    _seed, _offset = seed & _MASK64, 0
+    torch.manual_seed(seed)
+
+
+def state() -> tuple[int, int]:
+    """``(seed, offset)``: where the logical program's next random op reads."""
+    return _seed, _offset
+
+
+def take(numel: int) -> tuple[int, int]:
+    """Claim ``numel`` positions for one random op; return ``(seed, offset)`` of the first."""
+    global _offset
+    start = _offset
+    _offset += numel
+    return _seed, start
+
+
+def _splitmix64(x: int) -> int:
+    # Steele, Lea & Flood's SplitMix64 finaliser (the constants are theirs).
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, offset: int) -> int:
+    """The seed of the ``torch.Generator`` a kernel draws with at ``offset`` (63 bits)."""
+    return _splitmix64(_splitmix64(seed) ^ (offset & _MASK64)) >> 1
+
+
+def generator(seed: int, offset: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded for the draw at ``(seed, offset)``.
+
+    One generator per device is kept and reseeded (seeding costs microseconds).
+    """
+    gen = _generators.get(device)
+    if gen is None:
+        gen = _generators[device] = torch.Generator(device=device)
+    return gen.manual_seed(stream_seed(seed, offset))
+
+
+def draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether this ATen call draws from the logical state (a random op, no own generator)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    if func in _DRAWS_WITHOUT_GENERATOR:
+        return _argument(schema, args, kwargs, "train", True) is not False  # True if no train
+    if not any(a.name == "generator" and "Generator" in str(a.type) for a in schema.arguments):
+        return False
+    return _argument(schema, args, kwargs, "generator", None) is None
+
+
+def _argument(
+    schema: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str, default: Any
+) -> Any:
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, default)
+    return default
+
+
+def draw_numel(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Positions a random op takes: the logical numel of its first tensor argument.
+
+    A plain 0-dim tensor is skipped, as the dispatcher does when it promotes
+    plain tensors to broadcast globals.
+    """
+    for a in tree_flatten((list(args), kwargs))[0]:
+        if isinstance(a, torch.Tensor) and (a.dim() > 0 or type(a) is not torch.Tensor):
+            return math.prod(a.shape)
+    return 0
+
+
+def next_generator(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> Any:
+    """The generator for a random op's next draw (claiming its positions)."""
+    return generator(*take(draw_numel(args, kwargs)), device)
+
+
+def skip(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Advance the state as ``func`` would on a rank that runs it (for ranks that skip it)."""
+    if draws(func, args, kwargs):
+        take(draw_numel(args, kwargs))
