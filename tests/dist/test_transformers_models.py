@@ -7,13 +7,17 @@ download):
   attention through ``F.scaled_dot_product_attention``, a SiLU-gated MLP, no
   biases; the library's causal-LM loss (labels padded and shifted).
 - BERT (``BertForMaskedLM``): absolute position and token-type embeddings read
-  from the model's buffers, LayerNorm, GELU, a masked-LM head tied to the word
-  embeddings; most labels are ignored (-100).
+  from the model's buffers (a ``gather``), LayerNorm, GELU, a masked-LM head
+  tied to the word embeddings; padded sequences with an attention mask through
+  SDPA; most labels are ignored (-100).
 - GPT-2 (``GPT2LMHeadModel``): ``Conv1D`` projections (``addmm``), the fused
-  query/key/value projection split three ways, ``gelu_new``, a tied LM head.
+  query/key/value projection split three ways, ``gelu_new``, a tied LM head;
+  padded sequences with the library's eager attention (matmul, causal and
+  padding mask, softmax).
 
 Each model is converted with ``model.to_global(P, broadcast)`` and trained 3
-steps on a token batch split on dim 0 over 2 and 4 ranks. Every rank also
+steps on a token batch (ids, labels and attention mask) split on dim 0 over 2
+and 4 ranks. Every rank also
 trains a plain copy on the whole batch: the single-process reference computed
 in the same test. Losses and parameters (and buffers) must agree within 1e-5,
 and the steps (forward, backward, ``optimizer.step``, ``zero_grad``) run inside
@@ -98,7 +102,7 @@ def _gpt2() -> nn.Module:
         bos_token_id=_VOCAB - 1,
         eos_token_id=_VOCAB - 1,
         use_cache=False,
-        attn_implementation="sdpa",
+        attn_implementation="eager",
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -112,16 +116,25 @@ _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def _batch(family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, labels) of the whole batch. Causal LMs predict their own next tokens;
-    the masked LM is scored on a few positions only, the rest ignored (-100)."""
+def _batch(family: str) -> dict[str, torch.Tensor]:
+    """The whole batch as model arguments. Causal LMs predict their own next tokens; the
+    masked LM is scored on a few positions only. BERT and GPT-2 sequences are padded on the
+    right (attention mask 0, label -100); Llama's are not (SDPA's is_causal path)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, _VOCAB, (_BATCH, _SEQ), generator=gen)  # 0 is BERT's pad id
-    if family != "bert":
-        return ids, ids.clone()
-    scored = torch.rand(_BATCH, _SEQ, generator=gen) < 0.3
-    scored[:, 0] = True  # every rank scores at least one position
-    return ids, torch.where(scored, ids, torch.full_like(ids, -100))
+    labels = ids.clone()
+    if family == "bert":
+        scored = torch.rand(_BATCH, _SEQ, generator=gen) < 0.3
+        scored[:, 0] = True  # every rank scores at least one position
+        labels = torch.where(scored, ids, torch.full_like(ids, -100))
+    if family == "llama":
+        return {"input_ids": ids, "labels": labels}
+    mask = torch.ones_like(ids)
+    for row, length in ((1, 5), (2, 3), (6, 6)):  # padded rows on several ranks, 2 or 4
+        mask[row, length:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = labels.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 # -- one training run ---------------------------------------------------------------
@@ -132,18 +145,18 @@ def _train(family: str, placement: sbpflow.Placement) -> dict[str, Any]:
     torch.manual_seed(0)
     reference = _FAMILIES[family]().train()
     model = copy.deepcopy(reference).to_global(placement, B)
-    ids, labels = _batch(family)
-    g_ids, g_labels = _shard(ids, placement), _shard(labels, placement)
+    batch = _batch(family)
+    g_batch = {name: _shard(t, placement) for name, t in batch.items()}
     opt_ref = _OPTIMIZERS[family](reference.parameters())
     opt = _OPTIMIZERS[family](model.parameters())
     losses, fallbacks = [], []
     for _ in range(_STEPS):
-        want = reference(input_ids=ids, labels=labels).loss
+        want = reference(**batch).loss
         want.backward()
         opt_ref.step()
         opt_ref.zero_grad()
         with sbpflow.boxing.trace() as t:
-            got = model(input_ids=g_ids, labels=g_labels).loss
+            got = model(**g_batch).loss
             got.backward()
             opt.step()
             opt.zero_grad()
