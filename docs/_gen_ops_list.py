@@ -27,7 +27,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "matmul": ("matrix and batched matrix products", "matmul.py"),
     "reductions": ("sums, means, extrema, norms, variances", "reductions.py"),
-    "views": ("views, reshapes, indexing, concatenation", "views.py"),
+    "views": (
+        "views, reshapes, indexing, `gather`/`scatter_add`, concatenation",
+        "views.py, gather.py",
+    ),
     "nn": (
         "softmax and losses, batch/layer norm, embedding, convolution, pooling, dropout and random "
         "fills (`normal_`, `uniform_`, `bernoulli_`, `randint_like`, ...)",

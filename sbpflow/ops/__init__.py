@@ -6,6 +6,7 @@ Importing this package registers every family.
 from . import (  # noqa: F401  (importing a family registers its rules)
     attention,
     factories,
+    gather,
     matmul,
     nn_layers,
     nn_loss,
