@@ -59,16 +59,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(
-    ("example", "num_ranks", "patterns"),
-    CASES,
-    ids=[f"{example.name}-{num_ranks}ranks" for example, num_ranks, _ in CASES],
-)
-def test_example_runs(example: Path, num_ranks: int, patterns: tuple[str, ...]) -> None:
+def _launch(example: str, num_ranks: int) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run ``example`` through the launcher as a user would; it must exit 0 with no fallback."""
     argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", str(num_ranks)]
     try:
         result = subprocess.run(
-            [*argv, str(example.relative_to(REPO_ROOT))],
+            [*argv, example],
             cwd=REPO_ROOT,
             env=_env(),
             stdin=subprocess.DEVNULL,
@@ -77,12 +73,20 @@ def test_example_runs(example: Path, num_ranks: int, patterns: tuple[str, ...]) 
             timeout=TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as error:
-        pytest.fail(
-            f"{example.name} did not finish in {TIMEOUT_S}s\n{error.stdout}\n{error.stderr}"
-        )
+        pytest.fail(f"{example} did not finish in {TIMEOUT_S}s\n{error.stdout}\n{error.stderr}")
     output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     assert result.returncode == 0, output
     assert "no SBP rule" not in result.stderr, f"an op fell back to broadcast\n{output}"
+    return result, output
+
+
+@pytest.mark.parametrize(
+    ("example", "num_ranks", "patterns"),
+    CASES,
+    ids=[f"{example.name}-{num_ranks}ranks" for example, num_ranks, _ in CASES],
+)
+def test_example_runs(example: Path, num_ranks: int, patterns: tuple[str, ...]) -> None:
+    result, output = _launch(str(example.relative_to(REPO_ROOT)), num_ranks)
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) >= len(patterns), output
     for line, pattern in zip(lines[-len(patterns) :], patterns, strict=True):
@@ -104,19 +108,7 @@ def test_sampler_example_matches_torch() -> None:
     The reference is ``torch.utils.data.DistributedSampler(data, 2, rank, ...)`` built here;
     the global batch printed last must be the two ranks' first loader batches concatenated.
     """
-    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*argv, "examples/sampler.py"],
-        cwd=REPO_ROOT,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    assert result.returncode == 0, output
-    assert "no SBP rule" not in result.stderr, output
+    result, output = _launch("examples/sampler.py", 2)
     share = re.compile(
         r"rank (\d): data set of (\d+), shuffle=(True|False), drop_last=(True|False), "
         r"epoch (\d+) -> \[([\d, ]*)\]"
@@ -146,19 +138,7 @@ def test_ddp_linear_example_finds_the_solution() -> None:
     """examples/ddp_linear.py (OneFlow's DDP program) on 2 ranks: both ranks end with
     w = [[2.0000], [3.0000]], the exact solution of the two ranks' linear systems (a
     single-process least-squares solve on all four samples, computed here, agrees)."""
-    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*argv, "examples/ddp_linear.py"],
-        cwd=REPO_ROOT,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    assert result.returncode == 0, output
-    assert "no SBP rule" not in result.stderr, output
+    result, output = _launch("examples/ddp_linear.py", 2)
     x = torch.tensor([[1.0, 2.0], [2.0, 3.0], [4.0, 6.0], [3.0, 1.0]], dtype=torch.float64)
     y = torch.tensor([[8.0], [13.0], [26.0], [9.0]], dtype=torch.float64)
     solution = torch.linalg.lstsq(x, y).solution.flatten().tolist()
