@@ -206,6 +206,13 @@ def to_global(
         return x.to_global(placement, sbp, check_meta=check_meta)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
+    if x.layout != torch.strided:
+        # Every rank runs this call with the same kind of tensor, so every rank raises here,
+        # before any collective (a rank whose data is ignored must not wait for the others).
+        raise TypeError(
+            f"to_global expects a dense (strided) tensor, got a {x.layout} one. Convert it with "
+            "x.to_dense() first: global tensors hold dense local pieces."
+        )
     x = resolved(x)  # NOTE [lazy bits]: a conj/neg view's flag would not reach the locals
     if placement is None or sbp is None:
         raise ValueError(

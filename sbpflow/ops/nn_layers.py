@@ -57,11 +57,20 @@ def _embedding_local(
     return out * owned.unsqueeze(-1).to(out.dtype)
 
 
+def _indices_ndim(info: OpInfo) -> int:
+    """The dims of the ids (argument 1 of embedding and of its backward).
+
+    A plain 0-dim index (``embedding(torch.tensor(3), w)``) is not global: it has no dims.
+    """
+    k = info.input_at(1)
+    return info.inputs[k].ndim if k is not None else 0
+
+
 @register(aten.embedding.default, family="nn", local=_embedding_local)
 def embedding_rule(info: OpInfo) -> list[Strategy]:
-    ids = info.inputs[1]
-    out = [strategy(info, {"indices": Split(d)}, (Split(d),)) for d in range(ids.ndim)]
-    out.append(strategy(info, {"weight": Split(1)}, (Split(ids.ndim),)))
+    ids_ndim = _indices_ndim(info)
+    out = [strategy(info, {"indices": Split(d)}, (Split(d),)) for d in range(ids_ndim)]
+    out.append(strategy(info, {"weight": Split(1)}, (Split(ids_ndim),)))
     out.append(strategy(info, {"weight": Split(0)}, (P,)))
     out.append(strategy(info, {}, (B,)))
     out.append(strategy(info, {"weight": P}, (P,)))
@@ -88,16 +97,16 @@ def _embedding_backward_local(
 
 @register(aten.embedding_dense_backward.default, family="nn", local=_embedding_backward_local)
 def embedding_backward_rule(info: OpInfo) -> list[Strategy]:
-    ids = info.inputs[1]
+    ids_ndim = _indices_ndim(info)
     by_freq = bool(bind(info.func, info.args, info.kwargs)["scale_grad_by_freq"])
     out = []
     if not by_freq:  # counting ids per row needs all of them
         out += [
             strategy(info, {"grad_output": Split(d), "indices": Split(d)}, (P,))
-            for d in range(ids.ndim)
+            for d in range(ids_ndim)
         ]
         out.append(strategy(info, {"grad_output": P}, (P,)))
-    out.append(strategy(info, {"grad_output": Split(ids.ndim)}, (Split(1),)))
+    out.append(strategy(info, {"grad_output": Split(ids_ndim)}, (Split(1),)))
     out.append(strategy(info, {}, (B,)))
     if not by_freq:
         out.append(strategy(info, {}, (Split(0),)))

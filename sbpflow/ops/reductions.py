@@ -32,7 +32,12 @@ aten = torch.ops.aten
 
 
 def reduced_dims(ndim: int, dim: Any) -> list[int]:
-    """The dims a reduction over ``dim`` (an int, a list, or None/[] for all) removes."""
+    """The dims a reduction over ``dim`` (an int, a list, or None/[] for all) removes.
+
+    A 0-dim tensor has none (torch accepts ``dim=0`` or ``-1`` on it and reduces nothing).
+    """
+    if ndim == 0:
+        return []
     if dim is None:
         return list(range(ndim))
     dims = [dim] if isinstance(dim, int) else list(dim)

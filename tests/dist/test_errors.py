@@ -55,6 +55,10 @@ def _not_an_sbp() -> None:
     torch.ones(4, 3).to_global(_world(), "S(0)")
 
 
+def _sparse_local() -> None:
+    torch.eye(4).to_sparse().to_global(_world(), broadcast)
+
+
 def _unbalanced_shards() -> None:
     torch.ones(2 if _rank() == 0 else 4, 3).to_global(_world(), split(0))
 
@@ -121,6 +125,11 @@ MISTAKES: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
         _not_an_sbp,
         ValueError,
         r"sbp must be an SBP value or a tuple of them, got str 'S\(0\)'",
+    ),
+    "sparse local": (
+        _sparse_local,
+        TypeError,
+        r"expects a dense \(strided\) tensor, got a torch.sparse_coo one.*to_dense\(\)",
     ),
     "unbalanced shards": (
         _unbalanced_shards,

@@ -110,6 +110,22 @@ def _one_axis_cases() -> list[Case]:
             [S0, B],
             (P,),
         ),
+        # A plain 0-dim index is not global: the weight's layout alone decides.
+        Case("embedding 0-dim id", lambda a: F.embedding(torch.tensor(3), a), [w], [B], (B,)),
+        Case(
+            "embedding 0-dim id, vocab split",
+            lambda a: F.embedding(torch.tensor(7), a),
+            [w],
+            [S0],
+            (P,),
+        ),
+        Case(
+            "embedding 0-dim id, hidden split",
+            lambda a: F.embedding(torch.tensor(7), a),
+            [w],
+            [S1],
+            (S0,),
+        ),
         Case("conv batch split", conv, [img, cw, cb], [S0, B, B], (S0,)),
         Case(
             "conv odd batch, no bias",

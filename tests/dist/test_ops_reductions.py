@@ -98,6 +98,19 @@ def _cases(pl: sbpflow.Placement, layouts: list[Any]) -> list[Case]:
             op = _REDUCTIONS[name]
             cases.append((f"{name} {shape} P(max)", lambda op=op, v=v: op(make(v, pl, PMAX, 3)),
                           lambda op=op, v=v: op(v)))  # fmt: skip
+    scalar = grid(torch.randn((), generator=gen))  # a 0-dim tensor: dim=0 / -1 reduce nothing
+    zero_dim: dict[str, Callable[[Any], Any]] = {
+        "mean0k": lambda x: x.mean(0, keepdim=True),
+        "mean-1": lambda x: x.mean(-1),
+        "sum0k": lambda x: x.sum(0, keepdim=True),
+        "amax0": lambda x: x.amax(0),
+        "var0": lambda x: x.var(0, correction=0),
+        "norm0": lambda x: torch.linalg.vector_norm(x, dim=0),
+    }
+    for name, op in zero_dim.items():
+        for la in (B, P):
+            cases.append((f"{name} 0-dim {sbp_name(la)}", lambda op=op, la=la: op(make(scalar, pl, la, 5)),
+                          lambda op=op: op(scalar)))  # fmt: skip
     return cases
 
 
