@@ -157,7 +157,8 @@ def test_module_to_cuda_trains_like_plain_torch(path: str, move: str) -> None:
     tied weight, a buffer and existing ``.grad``s, through each ``Module._apply`` path: every
     parameter, gradient and buffer is on placement('cuda', [0]) with its local on cuda:0,
     parameters stay Parameters, tied exactly when plain torch keeps the tie, and 3 SGD steps
-    with an optimizer built after the move equal the plain model moved the same way."""
+    with an optimizer built after the move equal the plain model moved the same way;
+    ``module.cpu()`` brings it all back."""
     torch.manual_seed(0)
     reference = _TiedMLP()
     model = copy.deepcopy(reference).to_global(CPU, B)
@@ -194,6 +195,11 @@ def test_module_to_cuda_trains_like_plain_torch(path: str, move: str) -> None:
     ref_state = dict(reference.named_parameters()) | dict(reference.named_buffers())
     for name, t in state.items():
         assert torch.allclose(t.to_local(), ref_state[name].detach(), atol=1e-5), name
+    with _apply_path(path):
+        model.cpu()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert t.placement == CPU and t.to_local().device.type == "cpu", (name, t.placement)
+        assert torch.allclose(t.to_local(), ref_state[name].detach().cpu(), atol=1e-5), name
 
 
 # -- a rank outside the cuda placement (2 ranks; collectives stay on gloo) --------------
