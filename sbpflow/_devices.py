@@ -69,18 +69,13 @@ def move_to_device(func: Any, x: GlobalTensor, kwargs: dict[str, Any]) -> Global
     """``_to_copy(x, device=..., ...)`` (NOTE [device moves]): the same ranks and SBP on
     the requested device type, each rank's local tensor copied to its own device."""
     target = own_device(torch.device(kwargs["device"]), x)
-    rest = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
     if target.type == x.placement.type:
         # The same device: the copy (and cast) the ``_to_copy`` rule makes.
-        return func(x, **rest, non_blocking=kwargs.get("non_blocking", False))
-    if any(v is not None for v in rest.values()):
-        x = func(x, **rest)  # cast first, on the old device, through the ``_to_copy`` rule
-    local = func(
-        x._local,
-        device=target,
-        non_blocking=kwargs.get("non_blocking", False),
-        pin_memory=kwargs.get("pin_memory"),
-    )
+        return func(x, **{k: v for k, v in kwargs.items() if k != "device"})
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != x.dtype:
+        x = func(x, dtype=dtype)  # the cast first, through the ``_to_copy`` rule (partials)
+    local = func(x._local, **{**kwargs, "device": target, "dtype": None})
     placement = Placement(target.type, x.placement.ranks)
     return GlobalTensor(local, Layout(placement, x._layout.sbp), x.shape)
 
