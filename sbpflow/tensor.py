@@ -66,6 +66,11 @@ def _to_global_method(
         _check_boxing_meta(self, dst)
     if dst == self._layout:
         return self
+    if placement.type != self.placement.type:
+        # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
+        # (a local copy, differentiable), then boxing between placements of one type.
+        moved = cast(GlobalTensor, self.to(placement.type))
+        return moved.to_global(placement, dst.sbp, check_meta=False)
     return Redistribute.apply(self, dst)
 
 

@@ -300,6 +300,7 @@ def errors_job() -> dict[str, tuple[str, str]]:
         "g.to(device='cuda')": lambda: g.to(device="cuda"),
         "model.cuda()": model.cuda,
         "model.to('cuda')": lambda: model.to("cuda"),
+        "g.to_global(cuda placement)": lambda: g.to_global(sbpflow.placement("cuda", [0, 1])),
     }
     out = {label: _error_of(fn) for label, fn in cases.items()}
     out["model intact"] = (
@@ -317,11 +318,17 @@ def errors_job() -> dict[str, tuple[str, str]]:
 )
 def test_cuda_moves_without_cuda_say_what_to_do() -> None:
     """Without CUDA, ``g.cuda()``, ``g.to('cuda')``, ``module.cuda()``, ``module.to('cuda')``
-    raise (before torch's own CUDA error) naming the cuda placement and what to do, and leave
+    and boxing to a cuda placement raise (before torch's own CUDA error) naming the cuda placement and what to do, and leave
     the module as it was; ``g.to('meta')``, ``g.to('cpu:1')`` and ``p.data = plain_tensor``
     are clear errors too."""
     for rank, got in enumerate(get_pool(_WORLD).run(errors_job)):
-        for label in ("g.cuda()", "g.to('cuda')", "g.to('cuda', float16)", "g.to(device='cuda')"):
+        for label in (
+            "g.cuda()",
+            "g.to('cuda')",
+            "g.to('cuda', float16)",
+            "g.to(device='cuda')",
+            "g.to_global(cuda placement)",
+        ):
             kind, message = got[label]
             assert kind == "RuntimeError", f"rank {rank}, {label}: {kind} {message}"
             assert "CUDA is not available" in message and "placement('cuda', [0, 1])" in message

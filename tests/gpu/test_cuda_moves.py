@@ -101,6 +101,20 @@ def test_move_backward_equals_plain_autograd(sbp: Any) -> None:
         assert torch.allclose(leaf.grad.to_local().cpu(), ref.grad, atol=1e-6)
 
 
+@pytest.mark.parametrize("dst", [S0, B], ids=str)
+def test_boxing_to_a_cuda_placement_moves_then_boxes(dst: Any) -> None:
+    """``g.to_global(placement('cuda', [0]), sbp)`` of a cpu tensor: its local on cuda:0 with
+    the plain value, and the gradient back on the cpu placement in the leaf's layout."""
+    x = torch.randn(4, 3)
+    leaf = x.to_global(CPU, S1).detach().requires_grad_()
+    c = leaf.to_global(CUDA, dst)
+    assert c.placement == CUDA and c.sbp == (dst,) and c.to_local().device == _own()
+    assert torch.equal(c.to_local().cpu(), x)
+    (c * c).sum().backward()
+    assert leaf.grad is not None and leaf.grad.placement == CPU and leaf.grad.sbp == (S1,)
+    assert torch.allclose(leaf.grad.to_local(), 2 * x, atol=1e-6)
+
+
 def test_move_to_another_cuda_device_is_an_error() -> None:
     """``g.to('cuda:1')`` where this rank uses cuda:0 names both devices and the fix."""
     g = torch.randn(4, 3).to_global(CPU, S0)
