@@ -138,6 +138,12 @@ def _run_rule(
     full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
     for i, a in enumerate(flat):  # plain tensors join as broadcast globals (scalars stay)
         if type(a) is torch.Tensor and a.dim() > 0:
+            if a.device.type != placement.type:  # NOTE [device moves]
+                raise ValueError(
+                    f"{func} got a plain tensor on {a.device} with global tensors on {placement}; "
+                    "a plain tensor joins as broadcast on the global tensors' device: move it "
+                    f"with .to({placement.type!r}) or convert it with .to_global(placement, sbp)."
+                )
             flat[i] = GlobalTensor(a, full, a.shape)
     positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     globals_ = [flat[i] for i in positions]

@@ -310,6 +310,7 @@ def errors_job() -> dict[str, tuple[str, str]]:
     out["g.to('meta')"] = _error_of(lambda: g.to("meta"))
     out["g.to('cpu:1')"] = _error_of(lambda: g.to("cpu:1"))
     out["p.data = plain"] = _error_of(lambda: setattr(p, "data", torch.zeros(2, 3)))
+    out["g * meta plain"] = _error_of(lambda: g * torch.zeros(4, 3, device="meta"))
     return out
 
 
@@ -319,8 +320,8 @@ def errors_job() -> dict[str, tuple[str, str]]:
 def test_cuda_moves_without_cuda_say_what_to_do() -> None:
     """Without CUDA, ``g.cuda()``, ``g.to('cuda')``, ``module.cuda()``, ``module.to('cuda')``
     and boxing to a cuda placement raise (before torch's own CUDA error) naming the cuda placement and what to do, and leave
-    the module as it was; ``g.to('meta')``, ``g.to('cpu:1')`` and ``p.data = plain_tensor``
-    are clear errors too."""
+    the module as it was; ``g.to('meta')``, ``g.to('cpu:1')``, ``p.data = plain_tensor`` and
+    an op mixing a global tensor with a plain one on another device are clear errors too."""
     for rank, got in enumerate(get_pool(_WORLD).run(errors_job)):
         for label in (
             "g.cuda()",
@@ -343,3 +344,6 @@ def test_cuda_moves_without_cuda_say_what_to_do() -> None:
         assert kind == "ValueError" and "cpu:1" in message and "g.to('cpu')" in message, message
         kind, message = got["p.data = plain"]
         assert kind == "TypeError" and "plain Tensor" in message and "to_global" in message
+        kind, message = got["g * meta plain"]
+        assert kind == "ValueError" and "plain tensor on meta" in message, message
+        assert ".to('cpu')" in message and "placement('cpu', [0, 1])" in message, message

@@ -115,6 +115,14 @@ def test_boxing_to_a_cuda_placement_moves_then_boxes(dst: Any) -> None:
     assert torch.allclose(leaf.grad.to_local(), 2 * x, atol=1e-6)
 
 
+def test_plain_cpu_tensor_with_a_cuda_global_is_an_error() -> None:
+    """As plain torch refuses mixing devices: a plain cpu tensor in an op on a cuda global
+    tensor is an error naming both devices and the fix, not a cuda placement holding cpu."""
+    c = torch.randn(4, 3).to_global(CPU, S0).cuda()
+    with pytest.raises(ValueError, match=r"plain tensor on cpu.*placement\('cuda', \[0\]\)"):
+        c * torch.ones(4, 3)
+
+
 def test_move_to_another_cuda_device_is_an_error() -> None:
     """``g.to('cuda:1')`` where this rank uses cuda:0 names both devices and the fix."""
     g = torch.randn(4, 3).to_global(CPU, S0)
