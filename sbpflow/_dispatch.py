@@ -2,7 +2,9 @@
 
 # NOTE [dispatch]
 # 1. Ops that only touch metadata or aliasing (detach, alias) and reading a
-#    scalar (item: the logical value, a collective) are handled here.
+#    scalar (item: the logical value, a collective) are handled here, and so is
+#    ``_to_copy`` to a device (NOTE [device moves] in _devices), after the
+#    fast path missed: a device move never leaves a fast entry.
 # 2. An op with a decomposition (foreach ops, the AMP inf check, norms over a
 #    split dim, ...) runs it: a function of the global arguments calling other
 #    ops, which dispatch again; it may decline (NotImplemented) and go on to 3.
