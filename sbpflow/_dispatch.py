@@ -2,7 +2,9 @@
 
 # NOTE [dispatch]
 # 1. Ops that only touch metadata or aliasing (detach, alias) and reading a
-#    scalar (item: the logical value, a collective) are handled here.
+#    scalar (item: the logical value, a collective) are handled here, and so is
+#    ``_to_copy`` to a device (NOTE [device moves] in _devices), after the
+#    fast path missed: a device move never leaves a fast entry.
 # 2. An op with a decomposition (foreach ops, the AMP inf check, norms over a
 #    split dim, ...) runs it: a function of the global arguments calling other
 #    ops, which dispatch again; it may decline (NotImplemented) and go on to 3.
@@ -36,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _rng
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
 from ._bounded import BoundedDict
+from ._devices import move_to_device
 from ._global import GlobalTensor, Meta, meta_of, wrap
 from ._layout import Layout, empty_local_shape
 from ._lazy_bits import resolve_arguments
@@ -45,7 +48,7 @@ from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
 from .comm import _errors, _groups
-from .comm._world import get_rank
+from .comm._world import device_for, get_rank
 from .ops import _registry
 from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
@@ -53,6 +56,7 @@ from .sbp import Broadcast, Partial
 
 aten = torch.ops.aten
 
+_TO_COPY = aten._to_copy.default
 _warned: set[str] = set()
 _special: dict[Any, Callable[..., Any]] = {}
 
@@ -79,6 +83,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if fast is not None:
             return _run_fast(fast, func, args, kwargs)
     args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
+    if func is _TO_COPY and kwargs.get("device") is not None:  # never on the fast path
+        return move_to_device(func, args[0], kwargs)  # NOTE [device moves]
     refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
     decomposition = _registry.lookup_decomposition(func)
     if decomposition is not None:
@@ -134,6 +140,12 @@ def _run_rule(
     full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
     for i, a in enumerate(flat):  # plain tensors join as broadcast globals (scalars stay)
         if type(a) is torch.Tensor and a.dim() > 0:
+            if a.device.type != placement.type:  # NOTE [device moves]
+                raise ValueError(
+                    f"{func} got a plain tensor on {a.device} with global tensors on {placement}; "
+                    "a plain tensor joins as broadcast on the global tensors' device: move it "
+                    f"with .to({placement.type!r}) or convert it with .to_global(placement, sbp)."
+                )
             flat[i] = GlobalTensor(a, full, a.shape)
     positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     globals_ = [flat[i] for i in positions]
@@ -480,13 +492,16 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     """
     _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
+    device = (
+        device_for(decision.output_layouts[0].placement.type) if decision.output_layouts else None
+    )
     meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
     out_flat, out_spec = tree_flatten(meta_out)
     wrapped = []
     for o in out_flat:
         if isinstance(o, torch.Tensor):
             layout, meta = next(metas)
-            local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype)
+            local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
             wrapped.append(GlobalTensor(local, layout, meta.shape))
         else:
             wrapped.append(o)

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +134,10 @@ class GlobalTensor(torch.Tensor):
     def __new__(
         cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False
     ) -> GlobalTensor:
+        # NOTE [device moves] in _devices: never a cpu placement holding cuda locals.
+        assert local.device.type == layout.placement.type, (
+            f"a {local.device} local tensor on {layout.placement}"
+        )
         self = wrap(local, meta_of(layout, tuple(shape), local.dtype), requires_grad, cls)
         if requires_grad:
             keep_grad_layout(self)
@@ -168,6 +171,26 @@ class GlobalTensor(torch.Tensor):
     def is_local(self) -> bool:
         return False
 
+    @property
+    def data(self) -> torch.Tensor:
+        """As ``torch.Tensor.data``: a detached global tensor sharing the locals."""
+        return _TENSOR_DATA.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """``p.data = g`` (what ``module.to(...)``/``.cuda()``/``.double()`` do): ``p`` takes
+        ``g``'s local tensor, layout, shape, dtype and device; ``p`` stays the same object
+        (tied parameters stay tied, optimizers and gradient hooks keep it)."""
+        if not isinstance(new, GlobalTensor):
+            raise TypeError(
+                f"a global tensor's .data can only be set to a global tensor, got a plain "
+                f"{type(new).__name__}; convert it first (x.to_global(placement, sbp)) or work "
+                "on this rank's piece with g.to_local()."
+            )
+        _TENSOR_DATA.__set__(self, new)  # type: ignore[attr-defined]
+        self._local = new._local
+        self._meta = new._meta
+
     # -- autograd -------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
         """As ``torch.Tensor.requires_grad_``; a leaf's gradient then keeps its layout."""
@@ -187,6 +210,7 @@ class GlobalTensor(torch.Tensor):
 
 
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_TENSOR_DATA = torch._C.TensorBase.data
 
 
 def is_global(x: object) -> bool:
@@ -209,16 +233,20 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     """
     if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
         return
-    owner = weakref.ref(leaf)
+    # The hook reads the leaf's attributes through its ``__dict__``, not the tensor: no
+    # reference cycle through the hook, and no weakref, which ``torch.utils.swap_tensors``
+    # (``module.to(...)`` under ``torch.__future__.set_swap_module_params_on_conversion``)
+    # refuses. A swap moves the dict and the hooks together; ``p.data = g`` updates the dict.
+    attrs = leaf.__dict__
 
     def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
-        param = owner()
-        if param is None or not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
+        own: Layout = attrs["_meta"].layout
+        if not isinstance(grad, GlobalTensor) or grad._layout == own:
             return None
-        if getattr(param, "_grad_sync", None) is not None:
+        if attrs.get("_grad_sync") is not None:
             return None  # reduced in buckets by its GradientSync
         # The ranks agree by construction (the same backward on every rank): no meta check.
-        return grad.to_global(param.placement, param.sbp, check_meta=False)
+        return grad.to_global(own.placement, own.sbp, check_meta=False)
 
     leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
 

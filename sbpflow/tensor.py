@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _dispatch, _meta_check
+from . import _devices, _dispatch, _meta_check
 from ._bounded import BoundedDict
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
@@ -66,6 +66,11 @@ def _to_global_method(
         _check_boxing_meta(self, dst)
     if dst == self._layout:
         return self
+    if placement.type != self.placement.type:
+        # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
+        # (a local copy, differentiable), then boxing between placements of one type.
+        moved = cast(GlobalTensor, self.to(placement.type))
+        return moved.to_global(placement, dst.sbp, check_meta=False)
     return Redistribute.apply(self, dst)
 
 
@@ -134,7 +139,7 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:
         ctx.layout = layout
-        ctx.input_shape = x.shape
+        ctx.input_shape, ctx.input_device = x.shape, x.device
         local = _materialise(x, layout)
         return GlobalTensor(local, layout, shape)
 
@@ -148,7 +153,7 @@ class _FromLocal(torch.autograd.Function):
         )
         local = boxed._local
         if get_rank() not in layout.placement:
-            local = local.new_zeros(ctx.input_shape)
+            local = local.new_zeros(ctx.input_shape, device=ctx.input_device)
         return local, None, None
 
 
@@ -188,8 +193,8 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
             )
             local = collectives.broadcast(buffer, ranks[0], found)
             _trace.record(None, ["broadcast"])
-    if rank not in pl:
-        return local.new_empty(empty_local_shape(local.dim()))
+    if rank not in pl:  # empty, on this rank's device of the placement's type
+        return local.new_empty(empty_local_shape(local.dim()), device=device_for(pl.type))
     return local
 
 
@@ -292,6 +297,8 @@ for _name, _method in {
     "to_local": _to_local_method,
     "tolist": _tolist,
     "numpy": _numpy,
+    "to": _devices.to_method,
+    "cuda": _devices.cuda_method,
     "__repr__": _repr,
     "__format__": global_format,
 }.items():

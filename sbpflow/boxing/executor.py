@@ -110,8 +110,9 @@ def _run_transfer(
     src, dst = step.src, step.dst
     if src.placement.type != dst.placement.type:
         raise NotImplementedError(
-            f"boxing between a {src.placement.type} and a {dst.placement.type} placement is not "
-            "supported; convert with .to_local() and .to(device) first."
+            f"the executor boxes between placements of one device type, got {src.placement} -> "
+            f"{dst.placement}; GlobalTensor.to_global moves the tensor to the other type first "
+            "(g.to(device_type): the same ranks and SBP, a local copy) and then boxes it."
         )
     pieces = transfer_pieces(shape, src, dst)
     src_box = src.box(shape, rank) if rank in src.placement else None
