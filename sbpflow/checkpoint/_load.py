@@ -1,4 +1,9 @@
-"""``load``: fill a state dict of global tensors from a checkpoint, in any layout and world size."""
+"""``load``: fill a state dict of global tensors from a checkpoint, in any layout and world size.
+
+Reads through ``torch.distributed.checkpoint.load`` on the storage group
+(NOTE [checkpoint DCP calls] in _save.py); each rank reads the chunk its
+layout holds (NOTE [checkpoint chunks] in _chunks.py).
+"""
 
 from __future__ import annotations
 

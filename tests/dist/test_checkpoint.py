@@ -283,8 +283,10 @@ def save_then_die_mid_save(path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=kill_when_written, daemon=True).start()
-    sbpflow.save({"w": make(torch.full((8, 4), 2.0), pl, S0), "step": 2}, path)
-    time.sleep(120)  # never reached
+    try:  # a peer killed first may make this rank's save fail: it still waits for its kill
+        sbpflow.save({"w": make(torch.full((8, 4), 2.0), pl, S0), "step": 2}, path)
+    finally:
+        time.sleep(120)
 
 
 def load_w(path: str) -> tuple[torch.Tensor, Any]:
