@@ -150,3 +150,22 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path: Path) -> None:
     (a / "from_a").write_text("")
     assert _atomic._exchange(str(a), str(b))  # False would mean the two-rename fallback
     assert os.listdir(a) == [] and os.listdir(b) == ["from_a"]
+
+
+def test_load_names_what_an_interrupted_save_left(tmp_path: Path) -> None:
+    """No ``path`` but a ``.prev-`` directory (a crash between the fallback's two renames)."""
+    from sbpflow.checkpoint._load import _problem
+
+    path = tmp_path / "ckpt"
+    _checkpoint(tmp_path / "ckpt.prev-abc", "previous")
+    kind, message = _problem(str(path), {}) or ("", "")
+    assert kind == "FileNotFoundError"
+    assert "no such directory" in message and "ckpt.prev-abc" in message
+
+
+def test_export_without_safetensors_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sbpflow.checkpoint import _safetensors
+
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        _safetensors._save_file()
