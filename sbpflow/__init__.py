@@ -4,9 +4,10 @@
 engine turns one layout into another with collectives. See ``docs/``.
 """
 
-from . import boxing, env, nn, sbp, utils
+from . import boxing, checkpoint, env, nn, sbp, utils
 from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from ._visualize import visualize
+from .checkpoint import export_safetensors, load, save
 from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global, to_global
@@ -18,16 +19,20 @@ __all__ = [
     "Placement",
     "arange",
     "boxing",
+    "checkpoint",
     "empty",
     "env",
+    "export_safetensors",
     "full",
     "is_global",
+    "load",
     "manual_seed",
     "nn",
     "ones",
     "placement",
     "rand",
     "randn",
+    "save",
     "sbp",
     "to_global",
     "utils",
