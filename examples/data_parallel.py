@@ -3,8 +3,8 @@
     pip install torch==2.13.0 -e ".[examples]"
     python -m sbpflow.distributed.launch --nproc_per_node 2 examples/data_parallel.py
 
-Launched with one rank (``--nproc_per_node 1``) the same script is plain single-process
-training on the same batches: the reference the distributed run must match.
+Launched with one rank (``--nproc_per_node 1``) the same script is single-process training
+on the same global batches: the reference the distributed run must match.
 
 The whole program is ordinary PyTorch plus four lines of layout:
 
@@ -22,7 +22,7 @@ on CUDA) with ``torch.amp.GradScaler``, whose inf check agrees on every rank. Me
 computed on global tensors are logical values: ``.item()`` reduces them over the ranks.
 
 The last lines printed (on rank 0) are the final test accuracy and loss and a checksum of
-the parameters; run with 1 and with 2 ranks and compare them (``--precision fp32`` makes
+the parameters and buffers; run with 1 and with 2 ranks and compare them (``--precision fp32`` makes
 them agree to float32 rounding; with bfloat16 each rank rounds its share of a gradient on
 its own, so the runs agree to about bfloat16's precision).
 """
