@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+import sbpflow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO_ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 TIMEOUT_S = 120
@@ -232,3 +234,25 @@ def test_data_parallel_example_matches_one_process() -> None:
         assert got["accuracy"] == want["accuracy"], (want, output)
         for name in ("loss", "checksum"):
             assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), (name, want, output)
+
+
+@pytest.mark.skipif(
+    not hasattr(sbpflow, "save"), reason="sbpflow.save / sbpflow.load are not in this tree"
+)
+def test_data_parallel_example_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """examples/data_parallel.py on 2 ranks trains 2 epochs saving a checkpoint after each;
+    a second invocation resumes from the one after epoch 1 (``--resume``) and trains epoch
+    2 again: its epoch line and final accuracy, loss and checksum equal the first run's
+    exactly (same ranks, same layouts, same batches: the same computation)."""
+    checkpoints = tmp_path / "checkpoints"
+    first, output = _launch(
+        DIGITS, 2, "--epochs", "2", "--save-every-epoch", str(checkpoints), needs_extras=True
+    )
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-1", "epoch-2"], output
+    resumed, resumed_output = _launch(
+        DIGITS, 2, "--epochs", "2", "--resume", str(checkpoints / "epoch-1"), needs_extras=True
+    )
+    epochs = [line for line in resumed.stdout.splitlines() if line.startswith("epoch")]
+    assert len(epochs) == 1 and epochs[0].startswith("epoch 2:"), resumed_output
+    assert epochs[0] in first.stdout.splitlines(), (output, resumed_output)
+    assert _digits_result(resumed.stdout, resumed_output) == _digits_result(first.stdout, output)
