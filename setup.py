@@ -10,8 +10,16 @@ setup(
     install_requires=["torch>=2.11", "networkx>=3"],
     extras_require={
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+        "examples": ["scikit-learn", "tqdm"],
         "test": [
-            "pytest>=7", "numpy", "nbclient", "nbformat", "ipykernel", "transformers>=5",
+            "pytest>=7",
+            "numpy",
+            "nbclient",
+            "nbformat",
+            "ipykernel",
+            "transformers>=5",
+            "scikit-learn",
+            "tqdm",
             "safetensors",
         ],
     },

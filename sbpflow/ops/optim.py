@@ -11,10 +11,21 @@
 # dispatch with lists of tensors laid out differently; each list position is
 # dispatched on its own, as the single op it stands for.
 #
-# ``GradScaler`` checks gradients for inf/nan with
-# ``_amp_foreach_non_finite_check_and_unscale_``: each rank sees only its
-# pieces, so the found-inf flag is combined with an all_reduce(max) over the
-# ranks holding the gradients. Every rank then skips (or takes) the step.
+# NOTE [AMP found-inf]
+# ``GradScaler.unscale_`` checks gradients for inf/nan with
+# ``_amp_foreach_non_finite_check_and_unscale_`` and ``update`` feeds the flag to
+# ``_amp_update_scale_``. Each rank sees only its pieces (a split gradient can
+# overflow on one rank only), so the flag is combined with an all_reduce(max)
+# over the whole world: every rank then skips (or takes) the step and keeps the
+# same scale, ranks outside the gradients' placements included.
+# The world, and not the union of the gradients' placements: that union may be
+# no placement any op used (pipeline stages on [0, 1] and [2] of four ranks),
+# and creating its group at step time is a collective that the ranks outside
+# it never enter (NOTE [group creation order] in comm/_groups.py). The world
+# group always exists; the flag is one float. Every rank runs the same program,
+# so every rank's scaler makes the same unscale_ calls. ``_amp_update_scale_``
+# then sees plain tensors (the scaler's own state): it runs locally, on equal
+# inputs everywhere, and needs no rule.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import torch
 from .._global import GlobalTensor
 from .._layout import Layout
 from ..boxing._redistribute import box_below_autograd
-from ..comm._world import get_rank
+from ..comm._world import get_world_size
 from ..placement import Placement
 from ..sbp import Broadcast, Partial
 from ._registry import register_decomposition
@@ -97,7 +108,8 @@ register_decomposition(*_foreach_packets())(foreach)
 
 @register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)
 def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
-    """Unscale every gradient in place; found_inf becomes the max over all ranks holding them."""
+    """Unscale every gradient in place; found_inf becomes the max over every rank (NOTE [AMP
+    found-inf])."""
     grads, found_inf, inv_scale = args
     if isinstance(found_inf, GlobalTensor) or isinstance(inv_scale, GlobalTensor):
         raise NotImplementedError(
@@ -108,17 +120,11 @@ def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
     local_flag = torch.zeros_like(found_inf)
     if locals_:
         func(locals_, local_flag, inv_scale)
-    placements = [g.placement for g in grads if isinstance(g, GlobalTensor)]
-    if placements:
-        local_flag = _max_over_ranks(local_flag, placements)
-    found_inf.copy_(torch.maximum(found_inf, local_flag))
+    found_inf.copy_(torch.maximum(found_inf, _max_over_world(local_flag)))
 
 
-def _max_over_ranks(flag: torch.Tensor, placements: list[Placement]) -> torch.Tensor:
-    """All_reduce(max) of a 0-dim flag over the union of ``placements``' ranks."""
-    ranks = sorted({r for pl in placements for r in pl.flat_ranks})
-    union = Placement(placements[0].type, ranks)
-    if get_rank() not in union:
-        return flag
-    partial = GlobalTensor(flag, Layout(union, (Partial("max"),)), ())
-    return box_below_autograd(partial, Layout(union, (Broadcast(),)))._local.to(flag.device)
+def _max_over_world(flag: torch.Tensor) -> torch.Tensor:
+    """All_reduce(max) of a 0-dim flag over every rank of the world (its group always exists)."""
+    world = Placement(flag.device.type, list(range(get_world_size())))
+    partial = GlobalTensor(flag, Layout(world, (Partial("max"),)), ())
+    return box_below_autograd(partial, Layout(world, (Broadcast(),)))._local.to(flag.device)
