@@ -214,30 +214,36 @@ class GradientSync:
                     del m.param._grad_sync  # type: ignore[attr-defined]
 
     # -- during backward -------------------------------------------------------------
-    def _before_accumulate(self, m: Member, grad: torch.Tensor) -> None:
-        """A global ``.grad`` in the bucket (B) about to be added to with a partial gradient:
-        relabel it P in place (NOTE [gradients are bucket views])."""
+    def _before_accumulate(self, m: Member, grad: torch.Tensor) -> torch.Tensor | None:
+        """Before AccumulateGrad adds ``grad`` in place to a global ``.grad`` in the bucket:
+        relabel a B ``.grad`` P in place (NOTE [gradients are bucket views]), and hand over
+        ``grad`` contiguous (a weight's gradient often arrives transposed in memory, and an
+        add reading it strided is far slower than one blocked copy first)."""
         current = m.param.grad
         if (
             not isinstance(current, GlobalTensor)
             or not isinstance(grad, GlobalTensor)
-            or current._meta is grad._meta
             or current._local.data_ptr() != m.view.data_ptr()  # type: ignore[union-attr]
+            or current.placement != grad.placement
         ):
-            return
-        changed = []
-        for axis, (now, new) in enumerate(zip(current.sbp, grad.sbp, strict=True)):
-            if now == new:
-                continue
-            if not (isinstance(now, Broadcast) and new == _SUM):
-                return  # not B -> P: AccumulateGrad's add boxes it (correct, not in place)
-            changed.append(axis)
-        if current.placement != grad.placement:
-            return
-        coords = current.placement.coords_of(self._rank)
-        if any(coords[axis] != 0 for axis in changed):
-            current._local.zero_()
-        m.param.grad = wrap(current._local, meta_of(grad._layout, grad._meta.shape, grad.dtype))
+            return None
+        if current._layout != grad._layout:
+            changed = []
+            for axis, (now, new) in enumerate(zip(current.sbp, grad.sbp, strict=True)):
+                if now == new:
+                    continue
+                if not (isinstance(now, Broadcast) and new == _SUM):
+                    return None  # not B -> P: the add boxes it (correct, not in place)
+                changed.append(axis)
+            coords = current.placement.coords_of(self._rank)
+            if any(coords[axis] != 0 for axis in changed):
+                current._local.zero_()  # B -> P keeps the value on the first rank only
+            m.param.grad = wrap(
+                current._local, meta_of(grad._layout, tuple(grad.shape), grad.dtype)
+            )
+        if grad._local.is_contiguous():
+            return None
+        return wrap(grad._local.contiguous(), meta_of(grad._layout, tuple(grad.shape), grad.dtype))
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._enabled:
