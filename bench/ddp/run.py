@@ -18,7 +18,9 @@ fp32) one SGD step at a time (zero_grad, forward, MSE loss, backward, optimizer.
 The variants are interleaved (NOTE [timing] in bench/boxing/run.py): every repetition runs
 each once, in an order rotating from one repetition to the next; a step starts after a
 barrier and its time is the maximum over ranks. Warmup steps are dropped; min and median
-over repetitions are printed, with their ratios to torch DDP's. ``--runs`` repeats the
+over repetitions are printed, with their ratios to torch DDP's, and the median CPU time of
+a step (``time.process_time``: every thread of the rank's process, gloo's included; the
+slower rank's), which the machine's other load disturbs much less than the step time. ``--runs`` repeats the
 whole run (fresh processes); the targets are judged on each run's median ratios.
 
 Usage (from the repository root)::
@@ -151,22 +153,27 @@ def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     variants = _variants(world)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(WARMUP + reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             variants[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor(
+                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
+            )
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep >= WARMUP:
-                times[name].append(elapsed.item() * 1e3)
+                times[name].append(elapsed[0].item() * 1e3)
+                cpu_times[name].append(elapsed[1].item() * 1e3)
     if rank == 0:
-        queue.put(times)
+        queue.put((times, cpu_times))
     dist.barrier()
 
 
-def _one_run(reps: int) -> dict[str, list[float]]:
+def _one_run(reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step times and CPU times (ms, the slower rank's) of each variant."""
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
         _worker, args=(WORLD, free_port(), reps, queue), nprocs=WORLD, start_method="spawn"
@@ -174,19 +181,24 @@ def _one_run(reps: int) -> dict[str, list[float]]:
     return queue.get()
 
 
-def _table(times: dict[str, list[float]]) -> tuple[list[str], dict[str, float]]:
+def _table(
+    times: dict[str, list[float]], cpu_times: dict[str, list[float]]
+) -> tuple[list[str], dict[str, float]]:
     """Markdown rows of one run, and each variant's median ratio to the baseline."""
     base_min, base_med = min(times[BASELINE]), statistics.median(times[BASELINE])
+    base_cpu = statistics.median(cpu_times[BASELINE])
     rows = [
-        "| variant | min ms | median ms | / torch DDP (min) | / torch DDP (median) |",
-        "|---|---|---|---|---|",
+        "| variant | min ms | median ms | / torch DDP (min) | / torch DDP (median) "
+        "| CPU ms (median) | CPU / torch DDP |",
+        "|---|---|---|---|---|---|---|",
     ]
     ratios = {}
     for name, ms in times.items():
-        lo, med = min(ms), statistics.median(ms)
+        lo, med, cpu = min(ms), statistics.median(ms), statistics.median(cpu_times[name])
         ratios[name] = med / base_med
         rows.append(
-            f"| {name} | {lo:.1f} | {med:.1f} | {lo / base_min:.2f} | {med / base_med:.2f} |"
+            f"| {name} | {lo:.1f} | {med:.1f} | {lo / base_min:.2f} | {med / base_med:.2f} "
+            f"| {cpu:.1f} | {cpu / base_cpu:.2f} |"
         )
     return rows, ratios
 
@@ -210,7 +222,7 @@ def main() -> None:
     per_run: list[dict[str, float]] = []
     tables: list[list[str]] = []
     for run in range(args.runs):
-        rows, ratios = _table(_one_run(args.reps))
+        rows, ratios = _table(*_one_run(args.reps))
         per_run.append(ratios)
         tables.append(rows)
         print(f"\nrun {run + 1} of {args.runs} (load average {os.getloadavg()[0]:.1f})")
