@@ -598,3 +598,44 @@ def test_gradients_are_bucket_views_and_survive_zero_grad() -> None:
             if label.startswith("global") and num_micro > 1:
                 assert got["accumulating_sbps"] == ["P"], (label, got["accumulating_sbps"])
             assert all(got["unused_grads_none"]), (label, got)
+
+
+class SharedUnderCheckpoint(nn.Module):
+    """``shared`` runs inside a reentrant checkpoint and outside it: two AccumulateGrads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.shared = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        inner = torch.utils.checkpoint.checkpoint(self.shared, h, use_reentrant=True)
+        return self.shared(h) + inner
+
+
+def accumulated_twice_job() -> dict[str, float]:
+    world, rank = sbpflow.env.get_world_size(), sbpflow.env.get_rank()
+    torch.manual_seed(0)
+    reference = SharedUnderCheckpoint()
+    ddp = DistributedDataParallel(copy.deepcopy(reference))  # one bucket: launched at the end
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 6, generator=gen, requires_grad=True)
+    y = torch.randn(8, 6, generator=gen)
+    F.mse_loss(reference(x), y).backward()
+    lx = torch.tensor_split(x.detach(), world)[rank].requires_grad_()
+    ly = torch.tensor_split(y, world)[rank]
+    F.mse_loss(ddp(lx), ly).backward()
+    errors = {}
+    for name, ref in reference.named_parameters():
+        got = ddp.module.get_parameter(name).grad
+        errors[name] = (got - ref.grad).abs().max().item()
+    return errors
+
+
+def test_gradient_accumulated_twice_before_its_launch() -> None:
+    """A parameter whose AccumulateGrad runs twice in one backward (reentrant checkpoint),
+    both before its bucket is launched: DDP's averaged gradient equals the single-process
+    gradient of the whole batch computed in the job (the second gradient is divided too)."""
+    for errors in get_pool(2).run(accumulated_twice_job):
+        assert errors and max(errors.values()) < _TOL, errors

@@ -43,10 +43,11 @@
 # global tensor wrapping that view), and the buffers live as long as the sync.
 #   - ``zero_grad(set_to_none=True)`` (the default): the next backward's
 #     AccumulateGrad hands over a fresh gradient; the hook copies it into the
-#     view (dividing, for DDP) and ``.grad`` becomes the view (a global one at
-#     once; a local one at the write-back, so that a second AccumulateGrad
-#     before the launch still adds to the gradient): one copy per step, no
-#     buffer allocated.
+#     view (dividing, for DDP), ``.grad`` becomes the view and the fresh one is
+#     freed at once, so backward's next allocation reuses its memory: one copy
+#     per step, no buffer allocated, no fresh pages faulted in. (Should
+#     AccumulateGrad run again before the launch, a pre-hook divides the second
+#     gradient too before it is added into the view.)
 #   - ``zero_grad(set_to_none=False)``: AccumulateGrad adds in place into the
 #     view, so the gradient is already in the buffer: no copy at all. For a
 #     global parameter the view holds B and the new gradient P; a pre-hook
@@ -180,9 +181,9 @@ class GradientSync:
         for m in ordered:
             if m.is_global:
                 m.param._grad_sync = self  # type: ignore[attr-defined]
-                if m.view is not None:
-                    hook = functools.partial(self._before_accumulate, m)
-                    self._handles.append(m.param.register_hook(hook))
+            if m.view is not None:
+                hook = functools.partial(self._before_accumulate, m)
+                self._handles.append(m.param.register_hook(hook))
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -219,6 +220,13 @@ class GradientSync:
         relabel a B ``.grad`` P in place (NOTE [gradients are bucket views]), and hand over
         ``grad`` contiguous (a weight's gradient often arrives transposed in memory, and an
         add reading it strided is far slower than one blocked copy first)."""
+        if not m.is_global:
+            # AccumulateGrad ran twice before the launch: the first gradient is in the view
+            # divided already, so the second must be too (its add is into the view).
+            divisor = self._where[id(m.param)][0].divisor
+            if m.filled and not m.divide_at_launch and divisor != 1:
+                return grad / divisor
+            return None
         current = m.param.grad
         if (
             not isinstance(current, GlobalTensor)
@@ -276,9 +284,10 @@ class GradientSync:
         if grad is None:
             return
         if not m.is_global:
-            # .grad stays the gradient until the write-back: should AccumulateGrad run again
-            # before the launch, it holds the sum, which is copied in again.
             _fill(bucket, m, grad)
+            # The fresh gradient is freed now, so backward's next allocation reuses its memory
+            # (freed only at the end of backward, it came back as fresh pages every step).
+            m.param.grad = m.view
             return
         if not isinstance(grad, GlobalTensor):
             return  # _partial_piece says what is wrong at launch
@@ -400,8 +409,10 @@ def _fill(bucket: _Bucket, m: Member, piece: torch.Tensor) -> None:
     if piece.shape != view.shape:
         piece = piece.reshape(view.shape)
     if piece.data_ptr() == view.data_ptr() and piece.stride() == view.stride():
-        # accumulated in place (zero_grad(set_to_none=False)); divided once, at the launch
-        m.divide_at_launch = bucket.divisor != 1
+        # accumulated in place (zero_grad(set_to_none=False)); divided once, at the launch.
+        # Already filled: a second AccumulateGrad added to it, divided as needed (pre-hook).
+        if not m.filled:
+            m.divide_at_launch = bucket.divisor != 1
     elif bucket.divisor != 1:
         torch.div(piece, bucket.divisor, out=view)
     else:
