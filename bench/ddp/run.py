@@ -249,6 +249,7 @@ def main() -> None:
             "## Data parallelism: torch DDP vs sbpflow DDP vs global-tensor DP",
             "",
             *header,
+            "",
             f"Load average {load}.",
             "",
             f"Reproduce: `python bench/ddp/run.py --runs {args.runs} --reps {args.reps} "
