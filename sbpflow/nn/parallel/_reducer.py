@@ -270,7 +270,7 @@ class GradientSync:
         if not member.ready:
             member.ready = True
             bucket.num_ready += 1
-        if bucket.flat is not None:  # again if AccumulateGrad ran twice: .grad holds the sum
+        if bucket.flat is not None:  # again if AccumulateGrad ran twice: the view has the sum
             self._fill_on_arrival(bucket, member)
         while self._next < len(self._buckets) and self._buckets[self._next].num_ready == len(
             self._buckets[self._next].members
