@@ -3,22 +3,31 @@
 One run spawns 2 gloo ranks on this machine; each trains the same MLP (~10M parameters,
 fp32) one SGD step at a time (zero_grad, forward, MSE loss, backward, optimizer.step) with
 
-- torch DDP: ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb=25);
+- torch DDP: ``torch.nn.parallel.DistributedDataParallel`` with its defaults
+  (bucket_cap_mb=25, gradient_as_bucket_view=False): the baseline of the ratios;
+- torch DDP, bucket view: the same with ``gradient_as_bucket_view=True``, for reference;
 - sbpflow DDP: ``sbpflow.nn.parallel.DistributedDataParallel`` (bucket_cap_mb=25);
 - sbpflow global DP: the model ``to_global(placement, broadcast)`` with
-  ``sync_gradients(model)``, each rank's batch ``to_global(placement, split(0))``;
-- sbpflow global DP, per-parameter: the same without ``sync_gradients`` (one synchronous
-  all_reduce per parameter in its gradient hook), for reference.
+  ``sync_gradients(model)``; each rank's batch made global ``split(0)`` in the hot-loop form
+  (``shape=`` the logical shape, ``check_meta=False``: no metadata exchange);
+- sbpflow global DP, checked batch: the same with the batch made global by
+  ``to_global_batch`` (the default ``check_meta=True``: one metadata exchange per tensor);
+- sbpflow global DP, per-parameter: without ``sync_gradients`` (one synchronous all_reduce
+  per parameter in its gradient hook), for reference.
 
 The variants are interleaved (NOTE [timing] in bench/boxing/run.py): every repetition runs
 each once, in an order rotating from one repetition to the next; a step starts after a
 barrier and its time is the maximum over ranks. Warmup steps are dropped; min and median
-over repetitions are printed.
+over repetitions are printed, with their ratios to torch DDP's, and the median CPU time of
+a step (``time.process_time``: every thread of the rank's process, gloo's included; the
+slower rank's), which the machine's other load disturbs much less than the step time. ``--runs`` repeats the
+whole run (fresh processes); the targets are judged on each run's median ratios.
 
 Usage (from the repository root)::
 
-    python bench/ddp/run.py              # 2 ranks, 20 repetitions
-    python bench/ddp/run.py --reps 5     # a quick run
+    python bench/ddp/run.py                                # 3 runs of 20 repetitions
+    python bench/ddp/run.py --runs 1 --reps 5              # a quick run
+    python bench/ddp/run.py --out docs/benchmarks.md       # write the docs section
 """
 
 from __future__ import annotations
@@ -44,14 +53,27 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._report import machine  # noqa: E402
+from bench._report import machine, write_section  # noqa: E402
 from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
+from sbpflow.utils.data import to_global_batch  # noqa: E402
 
 WIDTHS = (1024, 2048, 2048, 1024, 1024)  # 9.4M parameters
 BATCH_PER_RANK = 32
 WARMUP = 3
+WORLD = 2
+BASELINE = "torch DDP"
+# name -> the target on its median ratio to torch DDP's (None: shown for reference)
+TARGETS: dict[str, float | None] = {
+    BASELINE: None,
+    "torch DDP, bucket view": None,
+    "sbpflow DDP": 1.00,
+    "sbpflow global DP": 1.05,
+    "sbpflow global DP, checked batch": None,
+    "sbpflow global DP, per-parameter": None,
+}
+START, END = "<!-- bench:ddp:start -->", "<!-- bench:ddp:end -->"
 
 
 def make_mlp() -> nn.Sequential:
@@ -61,7 +83,7 @@ def make_mlp() -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def _variants(rank: int, world: int) -> dict[str, Callable[[], None]]:
+def _variants(world: int) -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     base = make_mlp()
     placement = sbpflow.placement("cpu", list(range(world)))
@@ -84,19 +106,38 @@ def _variants(rank: int, world: int) -> dict[str, Callable[[], None]]:
         return x, y
 
     def global_batch() -> tuple[Any, Any]:
-        return x.to_global(placement, split(0)), y.to_global(placement, split(0))
+        return tuple(  # type: ignore[return-value]
+            t.to_global(
+                placement, split(0), shape=(world * t.shape[0], t.shape[1]), check_meta=False
+            )
+            for t in (x, y)
+        )
 
-    torch_ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=25)
-    ours_ddp = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=25)
-    global_model = copy.deepcopy(base).to_global(placement, broadcast)
-    sync_gradients(global_model, bucket_cap_mb=25)
-    per_param = copy.deepcopy(base).to_global(placement, broadcast)
-    return {
-        "torch DDP": step_fn(torch_ddp, local_batch),
-        "sbpflow DDP": step_fn(ours_ddp, local_batch),
-        "sbpflow global DP (sync_gradients)": step_fn(global_model, global_batch),
-        "sbpflow global DP (per-parameter)": step_fn(per_param, global_batch),
+    def checked_global_batch() -> tuple[Any, Any]:
+        return to_global_batch((x, y), placement)
+
+    def global_model() -> nn.Module:
+        return copy.deepcopy(base).to_global(placement, broadcast)
+
+    synced, synced_checked = global_model(), global_model()
+    sync_gradients(synced, bucket_cap_mb=25)
+    sync_gradients(synced_checked, bucket_cap_mb=25)
+    torch_ddp = nn.parallel.DistributedDataParallel
+    variants = {
+        BASELINE: step_fn(torch_ddp(copy.deepcopy(base), bucket_cap_mb=25), local_batch),
+        "torch DDP, bucket view": step_fn(
+            torch_ddp(copy.deepcopy(base), bucket_cap_mb=25, gradient_as_bucket_view=True),
+            local_batch,
+        ),
+        "sbpflow DDP": step_fn(
+            DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=25), local_batch
+        ),
+        "sbpflow global DP": step_fn(synced, global_batch),
+        "sbpflow global DP, checked batch": step_fn(synced_checked, checked_global_batch),
+        "sbpflow global DP, per-parameter": step_fn(global_model(), global_batch),
     }
+    assert list(variants) == list(TARGETS)
+    return variants
 
 
 def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
@@ -109,45 +150,123 @@ def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     )
     torch.set_num_threads(1)
     sbpflow.env.ensure_initialized()
-    variants = _variants(rank, world)
+    variants = _variants(world)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(WARMUP + reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             variants[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor(
+                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
+            )
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep >= WARMUP:
-                times[name].append(elapsed.item())
+                times[name].append(elapsed[0].item() * 1e3)
+                cpu_times[name].append(elapsed[1].item() * 1e3)
     if rank == 0:
-        queue.put(times)
+        queue.put((times, cpu_times))
     dist.barrier()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+def _one_run(reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step times and CPU times (ms, the slower rank's) of each variant."""
+    queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
-        _worker, args=(world, free_port(), args.reps, queue), nprocs=world, start_method="spawn"
+        _worker, args=(WORLD, free_port(), reps, queue), nprocs=WORLD, start_method="spawn"
     )
-    times = queue.get()
+    return queue.get()
+
+
+def _table(
+    times: dict[str, list[float]], cpu_times: dict[str, list[float]]
+) -> tuple[list[str], dict[str, float]]:
+    """Markdown rows of one run, and each variant's median ratio to the baseline."""
+    base_min, base_med = min(times[BASELINE]), statistics.median(times[BASELINE])
+    base_cpu = statistics.median(cpu_times[BASELINE])
+    rows = [
+        "| variant | min ms | median ms | / torch DDP (min) | / torch DDP (median) "
+        "| CPU ms (median) | CPU / torch DDP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ratios = {}
+    for name, ms in times.items():
+        lo, med, cpu = min(ms), statistics.median(ms), statistics.median(cpu_times[name])
+        ratios[name] = med / base_med
+        rows.append(
+            f"| {name} | {lo:.1f} | {med:.1f} | {lo / base_min:.2f} | {med / base_med:.2f} "
+            f"| {cpu:.1f} | {cpu / base_cpu:.2f} |"
+        )
+    return rows, ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=20, help="timed steps per variant and run")
+    parser.add_argument("--runs", type=int, default=3, help="whole runs, fresh processes each")
+    parser.add_argument("--out", type=Path, help="write the results into this file's section")
+    args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     num_params = sum(p.numel() for p in make_mlp().parameters())
-    print(f"{machine()}; {world} gloo ranks, 1 thread each")
-    print(
+    header = [
+        f"Machine: `{machine()}`; {WORLD} gloo ranks on this host, one thread each.",
+        "",
         f"MLP {' -> '.join(map(str, WIDTHS))} ({num_params / 1e6:.1f}M parameters, fp32), "
-        f"batch {BATCH_PER_RANK} per rank, {args.reps} repetitions after {WARMUP} warmup"
-    )
-    print(f"{'variant':<38} {'min ms':>8} {'median ms':>10}")
-    for name, values in times.items():
-        ms = [v * 1e3 for v in values]
-        print(f"{name:<38} {min(ms):8.1f} {statistics.median(ms):10.1f}")
+        f"batch {BATCH_PER_RANK} per rank, SGD; {args.reps} timed steps per variant and run "
+        f"after {WARMUP} warmup, variants interleaved; a step's time is the slower rank's.",
+    ]
+    print("\n".join(header), flush=True)
+    per_run: list[dict[str, float]] = []
+    tables: list[list[str]] = []
+    for run in range(args.runs):
+        rows, ratios = _table(*_one_run(args.reps))
+        per_run.append(ratios)
+        tables.append(rows)
+        print(f"\nrun {run + 1} of {args.runs} (load average {os.getloadavg()[0]:.1f})")
+        print("\n".join(rows), flush=True)
+    load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
+    targeted = [name for name, target in TARGETS.items() if target is not None]
+    summary = [
+        "| run | " + " | ".join(f"{n} / torch DDP (median)" for n in targeted) + " |",
+        "|---|" + "---|" * len(targeted),
+    ]
+    for run, ratios in enumerate(per_run):
+        summary.append(f"| {run + 1} | " + " | ".join(f"{ratios[n]:.2f}" for n in targeted) + " |")
+    verdicts = []
+    for name in targeted:
+        target = TARGETS[name]
+        assert target is not None
+        worst = max(r[name] for r in per_run)
+        verdict = "met" if worst <= target else "missed"
+        verdicts.append(f"- {name}: target <= {target:.2f}x, worst run {worst:.2f}x: {verdict}")
+    print(f"\nload average {load}\n" + "\n".join([*summary, "", *verdicts]))
+    if args.out:
+        lines = [
+            START,
+            "## Data parallelism: torch DDP vs sbpflow DDP vs global-tensor DP",
+            "",
+            *header,
+            "",
+            f"Load average {load}.",
+            "",
+            f"Reproduce: `python bench/ddp/run.py --runs {args.runs} --reps {args.reps} "
+            f"--out {args.out}`",
+            "",
+            "Median step time over torch DDP's, each run:",
+            "",
+            *summary,
+            "",
+            *verdicts,
+            "",
+            f"Run {args.runs} in full:",
+            "",
+            *tables[-1],
+            END,
+        ]
+        write_section(args.out, "\n".join(lines), START, END)
 
 
 if __name__ == "__main__":

@@ -495,3 +495,147 @@ def test_misuse_is_a_clear_error() -> None:
         assert messages[2].startswith("TypeError") and "sync_gradients" in messages[2]
         assert messages[3].startswith("TypeError") and "'25'" in messages[3]
         assert messages[4].startswith("ValueError") and "already synced" in messages[4]
+
+
+# -- gradients are views into the bucket buffers -------------------------------------------
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.to_local() if isinstance(p.grad, sbpflow.GlobalTensor) else p.grad
+
+
+def _train_zeroing(is_global: bool, set_to_none: bool | None, num_micro: int) -> dict[str, Any]:
+    """4 SGD-momentum steps, ``zero_grad(set_to_none=...)`` before each (None: never zeroed,
+    gradients accumulate over steps in the reference too)."""
+    world = sbpflow.env.get_world_size()
+    rank = sbpflow.env.get_rank()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    torch.manual_seed(0)
+    reference = Net()
+    model: nn.Module
+    if is_global:
+        model = copy.deepcopy(reference).to_global(placement, B)
+        sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
+        no_sync, buckets, params = sync.no_sync, sync.buckets, dict(model.named_parameters())
+    else:
+        model = DistributedDataParallel(copy.deepcopy(reference), bucket_cap_mb=_SMALL_CAP_MB)
+        no_sync, buckets = model.no_sync, model.buckets
+        params = dict(model.module.named_parameters())
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    storages: dict[str, set[int]] = {name: set() for name in params}
+    reduce_counts, accumulating_sbps = [], set()
+    for step in range(4):
+        batches = _micro_batches(step, num_micro)
+        if set_to_none is not None:
+            opt_ref.zero_grad(set_to_none=set_to_none)
+            opt.zero_grad(set_to_none=set_to_none)
+        for x, y in batches:
+            F.mse_loss(reference(x), y).backward()
+        opt_ref.step()
+        for i, (x, y) in enumerate(batches):
+            last = i == num_micro - 1
+            with contextlib.nullcontext() if last else no_sync(), sbpflow.boxing.trace() as t:
+                if is_global:
+                    gx = x.to_global(placement, B).to_global(sbp=S0)
+                    gy = y.to_global(placement, B).to_global(sbp=S0)
+                    F.mse_loss(model(gx), gy).backward()
+                else:
+                    lx, ly = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+                    F.mse_loss(model(lx), ly).backward()
+            reduce_counts.append(t.collectives()["all_reduce"])
+            if is_global and not last:
+                accumulating_sbps.add(sbp_str(params["fc1.weight"].grad.sbp))
+        for name, p in params.items():
+            if p.grad is not None:
+                storages[name].add(_local_grad(p).untyped_storage().data_ptr())
+        opt.step()
+    if is_global:
+        got = {n: p.to_global(sbp=B).to_local().detach() for n, p in params.items()}
+    else:
+        got = {n: p.detach() for n, p in params.items()}
+    return {
+        "errors": _errors(got, reference),
+        "buckets": buckets,
+        "storages": {n: sorted(s) for n, s in storages.items()},
+        "reduce_counts": reduce_counts,
+        "accumulating_sbps": sorted(accumulating_sbps),
+        "unused_grads_none": [params[n].grad is None for n in sorted(_UNUSED)],
+    }
+
+
+def bucket_view_job() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{'global' if g else 'ddp'} set_to_none={z} micro={n}", _train_zeroing(g, z, n))
+        for g in (True, False)
+        for z in (True, False, None)
+        for n in (1, 3)
+    ]
+
+
+def test_gradients_are_bucket_views_and_survive_zero_grad() -> None:
+    """Global DP and DDP with zero_grad(set_to_none=True), zero_grad(set_to_none=False) and
+    no zero_grad at all (gradients accumulating over steps), one batch or 3 no_sync
+    micro-batches: parameters equal single-process training computed in the job with the
+    same zeroing; every used parameter's .grad is a view into its bucket's one buffer, the
+    same memory every step; one all_reduce per bucket, none while accumulating (a global
+    .grad in the bucket is relabelled P in place, not boxed P -> B by the add)."""
+    for per_rank in get_pool(2).run(bucket_view_job):
+        for label, got in per_rank:
+            assert not got["errors"], (label, got)
+            storages = got["storages"]
+            for bucket in got["buckets"]:
+                used = [name for name in bucket if storages[name]]
+                assert all(len(storages[name]) == 1 for name in used), (label, storages)
+                assert len({storages[name][0] for name in used}) <= 1, (label, bucket, storages)
+            assert len({s[0] for s in storages.values() if s}) == 2, (label, storages)
+            num_micro = 3 if label.endswith("micro=3") else 1
+            per_backward = 2 if label.startswith("global") else 3
+            assert got["reduce_counts"] == ([0] * (num_micro - 1) + [per_backward]) * 4, (
+                label,
+                got["reduce_counts"],
+            )
+            if label.startswith("global") and num_micro > 1:
+                assert got["accumulating_sbps"] == ["P"], (label, got["accumulating_sbps"])
+            assert all(got["unused_grads_none"]), (label, got)
+
+
+class SharedUnderCheckpoint(nn.Module):
+    """``shared`` runs inside a reentrant checkpoint and outside it: two AccumulateGrads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.shared = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        inner = torch.utils.checkpoint.checkpoint(self.shared, h, use_reentrant=True)
+        return self.shared(h) + inner
+
+
+def accumulated_twice_job() -> dict[str, float]:
+    world, rank = sbpflow.env.get_world_size(), sbpflow.env.get_rank()
+    torch.manual_seed(0)
+    reference = SharedUnderCheckpoint()
+    ddp = DistributedDataParallel(copy.deepcopy(reference))  # one bucket: launched at the end
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 6, generator=gen, requires_grad=True)
+    y = torch.randn(8, 6, generator=gen)
+    F.mse_loss(reference(x), y).backward()
+    lx = torch.tensor_split(x.detach(), world)[rank].requires_grad_()
+    ly = torch.tensor_split(y, world)[rank]
+    F.mse_loss(ddp(lx), ly).backward()
+    errors = {}
+    for name, ref in reference.named_parameters():
+        got = ddp.module.get_parameter(name).grad
+        errors[name] = (got - ref.grad).abs().max().item()
+    return errors
+
+
+def test_gradient_accumulated_twice_before_its_launch() -> None:
+    """A parameter whose AccumulateGrad runs twice in one backward (reentrant checkpoint),
+    both before its bucket is launched: DDP's averaged gradient equals the single-process
+    gradient of the whole batch computed in the job (the second gradient is divided too)."""
+    for errors in get_pool(2).run(accumulated_twice_job):
+        assert errors and max(errors.values()) < _TOL, errors
