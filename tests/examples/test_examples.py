@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-import sbpflow
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO_ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 TIMEOUT_S = 120
