@@ -38,7 +38,7 @@ __all__ = ["Redistribute", "TransferHook", "box_below_autograd"]
 class TransferHook(Protocol):
     """What the pipeline runtime sees of changes of placement (NOTE [transfer hook])."""
 
-    def forward(self, x: GlobalTensor) -> None: ...
+    def forward(self, ctx: Any, x: GlobalTensor, dst: Layout) -> None: ...
 
     def backward(self, ctx: Any, compute: Callable[[], GlobalTensor]) -> GlobalTensor: ...
 
@@ -61,7 +61,7 @@ class Redistribute(torch.autograd.Function):
         ctx.src = x._layout
         ctx.crosses = x.placement != dst.placement
         if transfer_hook is not None and ctx.crosses:
-            transfer_hook.forward(x)
+            transfer_hook.forward(ctx, x, dst)
         return box_below_autograd(x, dst)
 
     @staticmethod

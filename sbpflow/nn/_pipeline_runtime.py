@@ -57,10 +57,12 @@ import torch
 
 from .. import _global, _meta_check
 from .._global import GlobalTensor
+from .._layout import Layout
 from ..boxing import _redistribute
 from ..comm import collectives
 from ..comm._world import get_rank
 from ._microbatch import MicroBatch
+from ._pipeline_threads import Baton, Task
 from ._stages import Stage
 from .pipeline import Action, ActionKind, ActionTiming, Message, Schedule, StepRecord
 
@@ -114,17 +116,38 @@ class _MicroBatch:
 
 
 class _TransferHook:
-    """Sees each change of placement (NOTE [transfer hook]); keeps I's gradients for W."""
+    """Sees each change of placement (NOTE [transfer hook]): notes the tensors crossing for I,
+    keeps I's gradients for W, and parks a worker that would receive too early (NOTE
+    [several stages on a rank])."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.microbatch: _MicroBatch | None = None  # whose forward runs
         self.mode: str | None = None  # "input" (keep gradients) or "weight" (replay them)
+        self.task: Task | None = None  # the worker running, with several stages on this rank
+        self.baton: Baton | None = None
+        self.held: tuple[int, ...] = ()  # this rank's stages
 
-    def forward(self, x: GlobalTensor) -> None:
+    def forward(self, ctx: Any, x: GlobalTensor, dst: Layout) -> None:
         if self.microbatch is not None and x.requires_grad:
             self.microbatch.crossed.append(x)
+        task = self.task
+        if task is None:
+            return
+        ctx.pipeline_stage = task.fwd_stage  # the held stage sending it (or -1)
+        ctx.pipeline_receives_grad = self.rank in x.placement and self.rank not in dst.placement
+        if self.rank in dst.placement and self.rank not in x.placement:
+            later = [s for s in self.held if s > task.fwd_stage]
+            if later:  # the input of this rank's next stage
+                assert self.baton is not None
+                self.baton.wait_for(task, Action(ActionKind.FORWARD, later[0], task.k))
 
     def backward(self, ctx: Any, compute: Callable[[], GlobalTensor]) -> GlobalTensor:
+        task = self.task
+        if task is not None and getattr(ctx, "pipeline_receives_grad", False):
+            assert self.baton is not None
+            stage = ctx.pipeline_stage
+            self.baton.wait_for(task, Action(ActionKind.BACKWARD, stage, task.k))
         if self.mode == "weight":
             kept = getattr(ctx, "pipeline_grad", None)
             if kept is not None:
@@ -206,24 +229,22 @@ def run_step(
         todo = [a for k in range(len(mbs)) for a in (_forward(k), _backward(k))]
     else:
         todo = [a for a in schedule.actions[holder] if a.is_compute]
-    if holder is not None and len(schedule.stages_of(holder)) > 1:
-        raise NotImplementedError(
-            f"rank {rank} holds stages {list(schedule.stages_of(holder))}: running several "
-            "stages on one rank (interleaved_1f1b) is not supported yet."
-        )
+    held = schedule.stages_of(holder) if holder is not None else ()
     mine = [p for p in params if isinstance(p, GlobalTensor) and rank in p.placement]
-    hook = _TransferHook()
+    hook = _TransferHook(rank)
     global _current
     _redistribute.transfer_hook = hook
     _meta_check.boxing_agreement = False  # NOTE [no agreement in a pipelined step]
     try:
         with collectives.deferred_sends(recorder.observe):
-            for action in todo:
-                mb = mbs[action.microbatch]
-                _current = action
-                start = time.monotonic()
-                _run(action, mb, build, hook, mine)
-                recorder.add(action, start, time.monotonic())
+            if len(held) > 1:
+                _run_on_workers(todo, mbs, build, hook, held, stages, recorder)
+            else:
+                for action in todo:
+                    _current = action
+                    start = time.monotonic()
+                    _run(action, mbs[action.microbatch], build, hook, mine)
+                    recorder.add(action, start, time.monotonic())
     finally:
         _current = None
         _redistribute.transfer_hook = None
@@ -235,6 +256,83 @@ def run_step(
     timings = tuple(recorder.timings) if holder is not None else ()
     record = StepRecord(schedule, ranks, timings, tuple(recorder.messages))
     return [mb.output for mb in mbs], record
+
+
+def _run_on_workers(
+    todo: Sequence[Action],
+    mbs: Sequence[_MicroBatch],
+    build: Callable[..., Any],
+    hook: _TransferHook,
+    held: tuple[int, ...],
+    stages: Sequence[Stage],
+    recorder: _Recorder,
+) -> None:
+    """Several stages on this rank: grant each worker its actions in order (NOTE [several stages on a rank])."""
+    global _current
+    baton = Baton()
+    hook.baton, hook.held = baton, held
+    first_backward: dict[int, Action] = {}
+    for a in todo:
+        if a.kind is not ActionKind.FORWARD:
+            first_backward.setdefault(a.microbatch, a)
+    for a in todo:
+        if a.kind not in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            raise ValueError(
+                f"with several stages on one rank the runtime runs forwards and full backwards, "
+                f"got {a}; use 'interleaved_1f1b'."
+            )
+
+    def body(task: Task) -> None:
+        mb = mbs[task.k]
+        mb.output = build(*mb.args, **mb.kwargs)
+        baton.wait_for(task, first_backward[task.k])
+        for bw in mb.backwards:
+            torch.Tensor.backward(
+                bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph, bw.inputs
+            )
+        mb.release()
+
+    tasks = [Task(k, body) for k in range(len(mbs))]
+    entries = []
+    for stage in stages:
+        if stage.stage_id in held:
+
+            def enter(module: Any, args: Any, stage_id: int = stage.stage_id) -> None:
+                task = hook.task
+                if task is not None:
+                    baton.wait_for(task, Action(ActionKind.FORWARD, stage_id, task.k))
+                    task.fwd_stage = stage_id
+
+            # After the graph's hook moving the stage's inputs: that receive is still before the stage.
+            entries.append(stage.module.register_forward_pre_hook(enter))
+    try:
+        for action in todo:
+            mb, task = mbs[action.microbatch], tasks[action.microbatch]
+            forward = action.kind is ActionKind.FORWARD
+            hook.task, hook.microbatch = task, (mb if forward else None)
+            _global.deferred_backward = mb.record_backward if forward else None
+            _current = action
+            start = time.monotonic()
+            baton.grant(task, action)
+            recorder.add(action, start, time.monotonic())
+            if forward and task.fwd_stage != action.stage:
+                raise RuntimeError(
+                    f"the schedule ran {action}, but micro-batch {action.microbatch}'s build did "
+                    f"not enter stage {action.stage} on this rank (it last entered stage "
+                    f"{task.fwd_stage}): the model's stages do not run in the schedule's order "
+                    "(each stage once per micro-batch, in stage-id order)."
+                )
+        unfinished = [t.k for t in tasks if not t.done]
+        if unfinished:
+            raise RuntimeError(
+                f"micro-batches {unfinished} did not finish their backward by the end of the "
+                "schedule on this rank: the model's stages do not match the schedule's."
+            )
+    finally:
+        hook.task = hook.microbatch = None
+        for handle in entries:
+            handle.remove()
+        baton.abort()
 
 
 def _forward(k: int) -> Action:

@@ -167,7 +167,7 @@ def _place(layout: str, num_ranks: int) -> tuple[list[Any], Any, Any]:
         first, last = sbpflow.placement("cpu", [0, 1]), sbpflow.placement("cpu", [2, 3])
         batch = S0 if layout == "pp x dp" else B
         return [first, last], (first, batch), (last, batch)
-    if layout == "interleaved":
+    if layout.startswith("interleaved"):
         stages = [pl[0], pl[1], pl[0], pl[1]]
         return stages, (pl[0], B), (pl[1], B)
     return pl, (pl[0], B), (pl[3], B)
@@ -178,9 +178,8 @@ def train_job(layout: str, schedule: str) -> dict[str, Any]:
     rank, world = sbpflow.env.get_rank(), sbpflow.env.get_world_size()
     everyone = sbpflow.placement("cpu", list(range(world)))
     torch.manual_seed(0)
-    reference: nn.Module = (
-        TwoStages() if layout.startswith("pp x") else FourStages(layout == "tied")
-    )
+    tied = layout.endswith("tied")
+    reference: nn.Module = TwoStages() if layout.startswith("pp x") else FourStages(tied)
     model = copy.deepcopy(reference)
     placements, (x_pl, x_sbp), (y_pl, y_sbp) = _place(layout, world)
     for i, placement in enumerate(placements):
@@ -188,7 +187,7 @@ def train_job(layout: str, schedule: str) -> dict[str, Any]:
         stage.to_global(placement, B)
         if layout == "pp x tp":
             stage.to_global(placement, _tensor_parallel)
-    if layout == "tied":
+    if tied:
         model.tied_to = placements[-1]
     m = 8 if layout == "pipeline" else 4
     batch_size = 2 * m
@@ -232,7 +231,7 @@ def _check(results: list[dict[str, Any]], layout: str, schedule: str) -> None:
         assert not bad, f"{where}: parameters differ from the reference: {bad}"
         assert got["grads_left"] == [], (where, got["grads_left"])
         ran, planned = got["ran"], got["planned"]
-        if layout == "tied":  # the tied weight's messages ride along the scheduled ones
+        if layout.endswith("tied"):  # the tied weight's messages ride along the scheduled ones
             compute = [a for a in ran if a[0] in "FBIW"]
             assert compute == [a for a in planned if a[0] in "FBIW"], (where, ran, planned)
             assert set(planned) <= set(ran), (where, ran, planned)
@@ -259,3 +258,12 @@ def test_schedules_on_four_ranks(schedule: str) -> None:
     pool = get_pool(4)
     for layout in ("pipeline", "tied", "pp x dp", "pp x tp"):
         _check(pool.run(train_job, layout, schedule), layout, schedule)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "interleaved tied"])
+def test_interleaved_four_stages_on_two_ranks(layout: str) -> None:
+    """Interleaved 1F1B with stages 0 and 2 on rank 0, 1 and 3 on rank 1 (each micro-batch's
+    build parked between its stages on a rank), with and without a weight tied between the
+    first and last stage: losses and parameters equal single-process full-batch training and
+    each rank ran its schedule's list in order."""
+    _check(get_pool(2).run(train_job, layout, "interleaved_1f1b"), layout, "interleaved_1f1b")
