@@ -85,8 +85,8 @@ _deferred: DeferredSends | None = None
 def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterator[DeferredSends]:
     """Inside the block, ``exchange`` does not wait for its sends (NOTE [deferred sends]).
 
-    The sends are waited for when the block ends (also when it raises, so no
-    request outlives its buffer). Blocks do not nest.
+    The sends are waited for when the block ends; when it raises they are left
+    pending with their buffers kept alive. Blocks do not nest.
     """
     global _deferred
     if _deferred is not None:
@@ -94,9 +94,19 @@ def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterato
     _deferred = state = DeferredSends(observer)
     try:
         yield state
+    except BaseException:
+        # A failed step: its receivers may never come. Keep the sends' buffers alive (a
+        # pending send reads them) instead of waiting, so the error surfaces now.
+        _abandoned.extend(state.pending)
+        state.pending = []
+        raise
     finally:
         _deferred = None
-        state.wait()
+    state.wait()
+
+
+_abandoned: list[tuple[dist.Work, torch.Tensor]] = []
+on_teardown(_abandoned.clear)
 
 
 def exchange(
