@@ -488,24 +488,43 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
 
     ``args``/``kwargs`` are the op's global arguments: the outputs' structure
     comes from the op on their logical metadata, not on this rank's empty
-    pieces (some meta kernels divide by the input's numel).
+    pieces (some meta kernels divide by the input's numel). That structure is
+    kept per decision: running the op on meta tensors costs milliseconds for
+    ops that decompose in Python, and a pipelined step runs every other
+    stage's ops this way on every rank.
     """
     _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
     metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
     device = (
         device_for(decision.output_layouts[0].placement.type) if decision.output_layouts else None
     )
-    meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
-    out_flat, out_spec = tree_flatten(meta_out)
+    structure = _outside_structures.get((func, decision))
+    if structure is None:
+        meta_out = func(*tree_flatten_map(_to_meta, args), **tree_flatten_map(_to_meta, kwargs))
+        out_flat, out_spec = tree_flatten(meta_out)
+        tensors = tuple(isinstance(o, torch.Tensor) for o in out_flat)
+        structure = (out_spec, tensors)
+        if all(t or o is None for t, o in zip(tensors, out_flat, strict=True)):
+            _outside_structures[(func, decision)] = structure
+    else:
+        out_spec, tensors = structure
+        out_flat = [None] * len(tensors)
     wrapped = []
-    for o in out_flat:
-        if isinstance(o, torch.Tensor):
+    for is_tensor, o in zip(structure[1], out_flat, strict=True):
+        if is_tensor:
             layout, meta = next(metas)
             local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
             wrapped.append(GlobalTensor(local, layout, meta.shape))
         else:
             wrapped.append(o)
-    return tree_unflatten(wrapped, out_spec)
+    return tree_unflatten(wrapped, structure[0])
+
+
+# (op, decision) -> the op's output structure (tree spec, which leaves are tensors), for
+# outputs made of tensors and Nones only.
+_outside_structures: BoundedDict[Any, Any] = BoundedDict(
+    "output structures outside the placement", DECISIONS_BOUND
+)
 
 
 def tree_flatten_map(fn: Callable[[Any], Any], tree: Any) -> Any:

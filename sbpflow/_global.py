@@ -109,6 +109,10 @@ def _unbound_dispatcher(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 _dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
 
+# Set by the pipeline runtime while it runs ``build``'s forwards: ``GlobalTensor.backward``
+# hands its arguments here instead of running (NOTE [deferred backward] there).
+deferred_backward: Callable[[GlobalTensor, Any, Any, bool, Any], None] | None = None
+
 
 def bind_dispatcher(dispatch: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
     """Route every ATen op on a global tensor to ``dispatch`` (NOTE [tensor layers])."""
@@ -192,6 +196,24 @@ class GlobalTensor(torch.Tensor):
         self._meta = new._meta
 
     # -- autograd -------------------------------------------------------------------
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        """As ``torch.Tensor.backward``; inside a pipelined step it is recorded, not run.
+
+        The pipeline runtime runs ``build``'s forward on a micro-batch and the
+        loss's backward later, when the schedule says (NOTE [deferred
+        backward] in sbpflow/nn/_pipeline_runtime.py).
+        """
+        if deferred_backward is not None:
+            deferred_backward(self, gradient, retain_graph, create_graph, inputs)
+            return
+        super().backward(gradient, retain_graph, create_graph, inputs)
+
     def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
         """As ``torch.Tensor.requires_grad_``; a leaf's gradient then keeps its layout."""
         super().requires_grad_(requires_grad)

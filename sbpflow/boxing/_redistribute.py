@@ -9,11 +9,20 @@
 # reading a value to print it) calls ``box_below_autograd``: plan, execute on
 # this rank's piece, wrap. Autograd differentiates those ops through their own
 # backward formulas, so that boxing must add no graph node of its own.
+#
+# NOTE [transfer hook]
+# While the pipeline runtime runs a step (sbpflow/nn/_pipeline_runtime.py) it
+# sets ``transfer_hook``: ``Redistribute`` then shows it each change of
+# placement (a stage boundary, a weight used on another stage), in forward the
+# input and in backward a way to compute the gradient, which the runtime may
+# run once and replay (a zero-bubble weight pass crosses the same boundaries as
+# the input pass before it, and must not receive their gradients twice).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +32,18 @@ from ..comm._world import get_rank
 from . import executor
 from .planner import plan
 
-__all__ = ["Redistribute", "box_below_autograd"]
+__all__ = ["Redistribute", "TransferHook", "box_below_autograd"]
+
+
+class TransferHook(Protocol):
+    """What the pipeline runtime sees of changes of placement (NOTE [transfer hook])."""
+
+    def forward(self, ctx: Any, x: GlobalTensor, dst: Layout) -> None: ...
+
+    def backward(self, ctx: Any, compute: Callable[[], GlobalTensor]) -> GlobalTensor: ...
+
+
+transfer_hook: TransferHook | None = None
 
 
 def box_below_autograd(x: GlobalTensor, dst: Layout) -> GlobalTensor:
@@ -39,9 +59,14 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: GlobalTensor, dst: Layout) -> GlobalTensor:
         ctx.src = x._layout
+        ctx.crosses = x.placement != dst.placement
+        if transfer_hook is not None and ctx.crosses:
+            transfer_hook.forward(ctx, x, dst)
         return box_below_autograd(x, dst)
 
     @staticmethod
     def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None]:
         grad = as_global_grad(grad, "boxing")
+        if transfer_hook is not None and ctx.crosses:
+            return transfer_hook.backward(ctx, lambda: Redistribute.apply(grad, ctx.src)), None
         return Redistribute.apply(grad, ctx.src), None

@@ -14,11 +14,32 @@
 # with a one-element all_reduce that every member enters (all of them reach
 # ``exchange``, including members with nothing to send or receive); from then
 # on only the ranks with pieces to move take part.
+#
+# NOTE [deferred sends]
+# In a pipelined step (sbpflow/nn/_pipeline_runtime.py) a stage's sends must
+# not wait for their receiver: stage s sends micro-batch k's activation and
+# goes on with k+1 while stage s+1 is still busy, and a weight used on the
+# first and last stage is sent forward long before the last stage reads it.
+# Inside ``deferred_sends()`` ``exchange`` posts each send with ``isend`` on a
+# private copy of the data, keeps the request and the copy, and returns; its
+# receives are posted with ``irecv`` and waited for at once (the caller reads
+# the data next). Leaving the block waits for every send. Messages between two
+# ranks on one group are matched in the order they are posted (gloo and NCCL
+# both keep point-to-point order per pair and group); the runtime keeps that
+# order equal on both sides by running the same program on every rank (NOTE
+# [one program, one message order] in _pipeline_runtime.py). Both backends
+# take lone isend/irecv calls, so this works on NCCL as on gloo; on NCCL
+# ``wait`` orders the current stream after the transfer instead of blocking.
+# Each transfer is reported to the block's ``observer`` (direction, peer,
+# bytes, wait start and end) so the runtime can record what ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +50,63 @@ from ._world import device_for, ensure_initialized, on_teardown
 
 _ready: set[tuple[str, tuple[int, ...]]] = set()  # (device type, members): warmed up for P2P
 on_teardown(_ready.clear)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message this rank took part in (NOTE [deferred sends])."""
+
+    direction: str  # "send" or "recv"
+    peer: int
+    nbytes: int
+    start: float  # time.monotonic(): posting a send, or starting to wait for a receive
+    end: float  # a send: when it was posted (it completes later); a receive: when it arrived
+
+
+@dataclass
+class DeferredSends:
+    """The sends posted inside one ``deferred_sends()`` block, waited for when it ends."""
+
+    observer: Callable[[Message], None] | None = None
+    pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Wait for every send posted so far (the receivers have taken the data)."""
+        pending, self.pending = self.pending, []
+        with named("send (deferred)", [dist.get_rank()] if dist.is_initialized() else []):
+            for work, _ in pending:
+                work.wait()
+
+
+_deferred: DeferredSends | None = None
+
+
+@contextlib.contextmanager
+def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterator[DeferredSends]:
+    """Inside the block, ``exchange`` does not wait for its sends (NOTE [deferred sends]).
+
+    The sends are waited for when the block ends; when it raises they are left
+    pending with their buffers kept alive. Blocks do not nest.
+    """
+    global _deferred
+    if _deferred is not None:
+        raise RuntimeError("deferred_sends() blocks do not nest")
+    _deferred = state = DeferredSends(observer)
+    try:
+        yield state
+    except BaseException:
+        # A failed step: its receivers may never come. Keep the sends' buffers alive (a
+        # pending send reads them) instead of waiting, so the error surfaces now.
+        _abandoned.extend(state.pending)
+        state.pending = []
+        raise
+    finally:
+        _deferred = None
+    state.wait()
+
+
+_abandoned: list[tuple[dist.Work, torch.Tensor]] = []
+on_teardown(_abandoned.clear)
 
 
 def exchange(
@@ -59,6 +137,38 @@ def exchange(
         if (device_type, members) not in _ready:
             dist.all_reduce(torch.zeros(1, device=device_for(device_type)), group=handle)
             _ready.add((device_type, members))
-        if ops:
+        if _deferred is not None:
+            _post(_deferred, sends, recvs, handle)
+        elif ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+
+def _post(
+    state: DeferredSends,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    handle: dist.ProcessGroup | None,
+) -> None:
+    """Post the sends (kept in ``state``), then receive; report each message."""
+    observe = state.observer
+    for peer, tensor in sends:
+        # A copy: the caller's tensor (a view of an activation) may change before it is sent.
+        data = tensor.detach().clone(memory_format=torch.contiguous_format)
+        start = time.monotonic()
+        work = dist.isend(data, peer, group=handle)
+        assert work is not None, "isend from a rank outside the group"
+        state.pending.append((work, data))
+        if observe is not None:
+            observe(Message("send", peer, _nbytes(data), start, time.monotonic()))
+    for peer, buffer in recvs:
+        start = time.monotonic()
+        work = dist.irecv(buffer, peer, group=handle)
+        assert work is not None, "irecv on a rank outside the group"
+        work.wait()
+        if observe is not None:
+            observe(Message("recv", peer, _nbytes(buffer), start, time.monotonic()))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

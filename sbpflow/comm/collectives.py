@@ -20,13 +20,15 @@ import torch.distributed as dist
 from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
 from ._meta import all_gather_meta, all_gather_object, gather_objects, same_on_every_rank
-from ._p2p import exchange
+from ._p2p import DeferredSends, Message, deferred_sends, exchange
 
 Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 
 __all__ = [
     "CollectiveError",
+    "DeferredSends",
     "Group",
+    "Message",
     "PendingCollective",
     "all_gather",
     "all_gather_meta",
@@ -35,6 +37,7 @@ __all__ = [
     "all_reduce_async",
     "all_to_all",
     "broadcast",
+    "deferred_sends",
     "exchange",
     "gather_objects",
     "reduce_scatter",

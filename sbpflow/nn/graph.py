@@ -22,15 +22,16 @@ optimizers given to ``add_optimizer`` step once per call::
 
     loss = TrainGraph()(x, y)  # the mean of the 4 micro-batch losses
 
-# NOTE [sequential micro-batches]
-# This first runtime runs the micro-batches one after another through
-# ``build``: micro-batch k's forward and backward finish before k+1's forward
-# starts, and each rank runs only the ops of the stages whose placement
-# includes it (a rank outside a placement skips its ops). That is correct for
-# every stage layout, but the stages do not overlap: the pipeline bubble is the
-# whole pipeline. ``set_pipeline_schedule`` records the schedule and
-# ``Graph.schedule()`` builds and validates its per-rank action lists
-# (docs/pipeline-schedules.md), but no schedule executes them yet.
+# NOTE [pipelined micro-batches]
+# With two or more pipeline stages a call runs the pipeline schedule
+# (``set_pipeline_schedule``, default ``'1f1b'``; ``'gpipe'`` when it is left
+# unset and there are fewer micro-batches than stages): each rank runs its
+# action list from ``Graph.schedule()``, the forwards of ``build`` on
+# micro-batches and their recorded backwards interleaved as the schedule says
+# (sbpflow/nn/_pipeline_runtime.py, NOTE [deferred backward]), with sends that
+# do not wait for their receiver. ``Graph.last_step()`` is the record of what
+# this rank ran, with times. Without stages (data or tensor parallelism alone)
+# the micro-batches run one after another through ``build``.
 
 # NOTE [gradient accumulation]
 # The step's gradient is the mean over micro-batches of each micro-batch
@@ -50,8 +51,9 @@ import torch
 
 from ._block import Block, BlockConfig
 from ._microbatch import mean_outputs, split_microbatches
+from ._pipeline_runtime import run_step
 from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_ranks
-from .pipeline import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Schedule, build_schedule
+from .pipeline import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Schedule, StepRecord, build_schedule
 
 __all__ = ["Block", "BlockConfig", "Graph", "GraphConfig"]
 
@@ -84,7 +86,7 @@ class GraphConfig:
         return self._num_microbatches
 
     def set_pipeline_schedule(self, name: str) -> None:
-        """Record the pipeline schedule (see NOTE [sequential micro-batches]: not yet executed)."""
+        """The schedule a step with pipeline stages runs (NOTE [pipelined micro-batches])."""
         if name not in SCHEDULE_NAMES:
             raise ValueError(
                 f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULE_NAMES)}."
@@ -95,6 +97,12 @@ class GraphConfig:
     def pipeline_schedule(self) -> str:
         """The schedule set with ``set_pipeline_schedule``, else the default (``'1f1b'``)."""
         return self._schedule or DEFAULT_SCHEDULE
+
+    def _schedule_for(self, num_stages: int) -> str:
+        """The schedule a step runs: the one set, else 1f1b, or gpipe for fewer micro-batches than stages."""
+        if self._schedule is None and self._num_microbatches < num_stages:
+            return "gpipe"
+        return self.pipeline_schedule
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
@@ -113,8 +121,8 @@ class GraphConfig:
 class Graph:
     """One training step as a class: subclass it, assign modules, override ``build``.
 
-    Calling the graph runs ``build`` once per micro-batch (one after another:
-    NOTE [sequential micro-batches]), averages the gradients over the
+    Calling the graph runs ``build`` once per micro-batch (in the pipeline
+    schedule's order: NOTE [pipelined micro-batches]), averages the gradients over the
     micro-batches (NOTE [gradient accumulation]), steps and zero_grads the
     optimizers given to ``add_optimizer``, and returns what ``build`` returned,
     averaged over the micro-batches and detached: for a loss, the mean of the
@@ -126,6 +134,7 @@ class Graph:
     _graph_config: GraphConfig
     _optimizers: list[tuple[torch.optim.Optimizer, Any]]  # (optimizer, lr scheduler or None)
     _grad_scaler: Any
+    _last_step: StepRecord | None
 
     def __init__(self) -> None:
         object.__setattr__(self, "_blocks", {})
@@ -133,6 +142,7 @@ class Graph:
         object.__setattr__(self, "_graph_config", GraphConfig())
         object.__setattr__(self, "_optimizers", [])
         object.__setattr__(self, "_grad_scaler", None)
+        object.__setattr__(self, "_last_step", None)
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """One step on one micro-batch: forward, loss, ``loss.backward()``; return the loss."""
@@ -181,8 +191,8 @@ class Graph:
         """The pipeline schedule for the stages and micro-batches configured (built and validated).
 
         Pure: needs no process group. A stage on several ranks is represented
-        by its placement's first rank. The runtime does not execute it yet
-        (NOTE [sequential micro-batches]).
+        by its placement's first rank, and its other ranks run the same list.
+        ``last_step()`` shows how the latest call ran it.
         """
         stages = self._stages()
         if not stages:
@@ -192,7 +202,7 @@ class Graph:
             )
         check_stage_ids(stages)
         return build_schedule(
-            self.config.pipeline_schedule,
+            self.config._schedule_for(len(stages)),
             len(stages),
             stage_ranks(stages),
             self.config.gradient_accumulation_steps,
@@ -208,10 +218,29 @@ class Graph:
         for p, _ in earlier:
             p.grad = None
         with _stage_inputs(stages):
-            outputs = [self.build(*a, **k) for a, k in microbatches]
+            if len(stages) > 1:
+                schedule = self.schedule()
+                outputs, record = run_step(self.build, microbatches, schedule, stages, params)
+                object.__setattr__(self, "_last_step", record)
+            else:
+                outputs = [self.build(*a, **k) for a, k in microbatches]
         _average_grads(params, earlier, num_microbatches)
         self._step()
         return mean_outputs(outputs)
+
+    def last_step(self) -> StepRecord:
+        """What this rank ran in the latest pipelined call: its actions in order, with times.
+
+        Prints as the order run; draws as a timeline in a notebook. Combine the
+        records of several ranks with ``StepRecord.combine`` for the whole
+        pipeline's picture.
+        """
+        if self._last_step is None:
+            raise ValueError(
+                f"{type(self).__name__} has not run a pipelined step yet; call the graph first "
+                "(a graph with two or more pipeline stages records each step)."
+            )
+        return self._last_step
 
     # -- internals -------------------------------------------------------------------
 

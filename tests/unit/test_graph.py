@@ -194,11 +194,21 @@ def test_stage_ids_that_skip_or_repeat(ids: list[int], message: str) -> None:
         _staged([P[0], P[1]], ids, steps=2).schedule()
 
 
+def test_default_schedule_with_fewer_microbatches_than_stages_is_gpipe() -> None:
+    """Left unset, the schedule is 1f1b, or gpipe when 1f1b would need more micro-batches."""
+    assert _staged([P[0], P[1], P[2]], [0, 1, 2], steps=2).schedule() == build_schedule(
+        "gpipe", 3, [0, 1, 2], 2
+    )
+    assert _staged([P[0], P[1]], [0, 1], steps=2).schedule().name == "1f1b"
+
+
 def test_schedule_errors() -> None:
     with pytest.raises(ValueError, match="has no pipeline stages"):
         Holder(nn.Linear(2, 2)).schedule()
+    few = _staged([P[0], P[1], P[2]], [0, 1, 2], steps=2)
+    few.config.set_pipeline_schedule("1f1b")
     with pytest.raises(ValueError, match="1f1b needs at least as many micro-batches as stages"):
-        _staged([P[0], P[1], P[2]], [0, 1, 2], steps=2).schedule()
+        few.schedule()
     overlapping = [sbpflow.placement("cpu", [0, 1]), P[0]]
     with pytest.raises(ValueError, match="both start with rank 0"):
         _staged(overlapping, [0, 1], steps=2).schedule()

@@ -246,6 +246,21 @@ def test_validator_reports_a_deadlock_of_two_ranks_receiving_first() -> None:
         broken.simulate()
 
 
+def test_validator_rejects_messages_received_out_of_order() -> None:
+    """Rank 1 receives micro-batch 1's activation before micro-batch 0's, which rank 0 sends
+    first: with messages matched per pair in posting order, each would get the other's data."""
+    schedule = _build("gpipe", [0, 1], 2)
+    recv = [Action(ActionKind.RECV_ACTIVATION, 1, k, peer=0) for k in (0, 1)]
+    swapped = [recv[1], Action(F, 1, 1), recv[0], Action(F, 1, 0)]
+    rest = [a for a in schedule.actions[1] if a not in (*recv, Action(F, 1, 0), Action(F, 1, 1))]
+    with pytest.raises(
+        ValueError,
+        match=r"rank 1 receives RECV_F1s1<r0 as its message number 0 from rank 0, but rank 0 "
+        r"sends its messages to rank 1 in another order",
+    ):
+        validate(_edit(schedule, 1, swapped + rest))
+
+
 def test_validator_rejects_missing_duplicated_and_misordered_compute() -> None:
     schedule = _build("zero_bubble", [0, 1], 2)
     todo = list(schedule.actions[1])

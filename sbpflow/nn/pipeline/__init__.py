@@ -9,6 +9,7 @@ runtime that executes a schedule builds on these types.
 from ._build import DEFAULT_SCHEDULE, SCHEDULE_NAMES, build_schedule
 from ._validate import validate
 from .actions import Action, ActionKind
+from .record import Message, StepRecord
 from .schedule import ActionTiming, Schedule, Simulation
 from .timeline import draw_timeline
 
@@ -18,8 +19,10 @@ __all__ = [
     "Action",
     "ActionKind",
     "ActionTiming",
+    "Message",
     "Schedule",
     "Simulation",
+    "StepRecord",
     "build_schedule",
     "draw_timeline",
     "validate",

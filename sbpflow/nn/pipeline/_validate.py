@@ -11,6 +11,9 @@ is raised as a ``ValueError``:
                  arrives, B/I after F and after the incoming grad, W after I, a send
                  after the compute producing it)
   6. deadlock    the lists run with blocking receives and non-blocking sends finish
+  7. fifo        between two ranks, messages are received in the order they are sent:
+                 the runtime's transfers are matched per pair in posting order (NOTE
+                 [deferred sends] in sbpflow/comm/_p2p.py), with no tag to tell them apart
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ _W = ActionKind.BACKWARD_WEIGHT
 
 def validate(schedule: Schedule) -> None:
     """Raise ``ValueError`` describing the first problem of ``schedule``; return if it is sound."""
-    for check in (_shape, _actions, _coverage, _matching, _order, _deadlock):
+    for check in (_shape, _actions, _coverage, _matching, _order, _deadlock, _fifo):
         problem = check(schedule)
         if problem:
             raise ValueError(f"invalid pipeline schedule {schedule.name!r}: {problem}")
@@ -200,3 +203,28 @@ def _deadlock(sch: Schedule) -> str | None:
         f"deadlock with blocking receives: {waits}; each waits for a send its peer only "
         "reaches after its own blocked receive. Reorder so one side sends first."
     )
+
+
+def _fifo(sch: Schedule) -> str | None:
+    sent: dict[tuple[int, int], list[_simulate.MessageKey]] = {}
+    received: dict[tuple[int, int], list[tuple[_simulate.MessageKey, Action]]] = {}
+    for rank, todo in sch.actions.items():
+        for a in todo:
+            if a.kind.is_send:
+                assert a.peer is not None
+                sent.setdefault((rank, a.peer), []).append(_simulate.message_key(rank, a))
+            elif a.kind.is_recv:
+                assert a.peer is not None
+                key = _simulate.message_key(rank, a)
+                received.setdefault((a.peer, rank), []).append((key, a))
+    for (src, dst), keys in sorted(received.items()):
+        order = sent.get((src, dst), [])
+        for i, (key, a) in enumerate(keys):
+            if i >= len(order) or order[i] != key:
+                return (
+                    f"rank {dst} receives {a} as its message number {i} from rank {src}, but rank "
+                    f"{src} sends its messages to rank {dst} in another order; messages between "
+                    "two ranks are matched in the order they are posted: receive them in the "
+                    "order they are sent."
+                )
+    return None
