@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 
 from ._bounded import BoundedDict
 from ._layout import Layout
+from .comm._world import get_rank
 from .placement import Placement
 from .sbp import NdSbp
 
@@ -111,10 +113,21 @@ def _unbound_dispatcher(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 _dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
 
 
-def bind_dispatcher(dispatch: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
-    """Route every ATen op on a global tensor to ``dispatch`` (NOTE [tensor layers])."""
-    global _dispatcher
-    _dispatcher = dispatch
+def _unbound_box(x: GlobalTensor, layout: Layout) -> GlobalTensor:
+    raise RuntimeError("boxing a global tensor before sbpflow.tensor bound the dispatcher.")
+
+
+_box: Callable[[GlobalTensor, Layout], GlobalTensor] = _unbound_box
+
+
+def bind_dispatcher(
+    dispatch: Callable[[Any, Any, dict[str, Any]], Any],
+    box: Callable[[GlobalTensor, Layout], GlobalTensor],
+) -> None:
+    """Route every ATen op on a global tensor to ``dispatch``, and boxing below autograd to
+    ``box`` (NOTE [tensor layers])."""
+    global _dispatcher, _box
+    _dispatcher, _box = dispatch, box
 
 
 class GlobalTensor(torch.Tensor):
@@ -145,6 +158,49 @@ class GlobalTensor(torch.Tensor):
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         return _dispatcher(func, args, kwargs or {})
+
+    # -- tracing (NOTE [compiled global tensors] in sbpflow/_compile.py) ---------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
+        meta = self._meta
+        return ["_local"], (meta.layout, meta.shape, meta.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
+    ) -> GlobalTensor:
+        layout, shape, dtype = ctx
+        local = inner["_local"]
+        return wrap(local, meta_of(layout, shape, dtype), local.requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key of this input in torch.compile's on-disk caches: metadata and this rank.
+
+        A compiled graph holds this rank's piece of every step (uneven shards,
+        which rank keeps a partial value), so ranks must never share one.
+        """
+        local = self._local
+        data = (self._meta.layout, self._meta.shape, self.dtype, self.requires_grad, get_rank())
+        data_local = (tuple(local.shape), local.stride(), local.dtype, local.device)
+        return hashlib.blake2b(repr((data, data_local)).encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self) -> GlobalTensor:
+        """The layout a compiled backward expects this output's gradient in: partial axes
+        broadcast, as a loss's gradient (``ones_like``) arrives."""
+        layout = self._layout
+        if not layout.has_partial:
+            return self
+        return _box(self, layout.without_partial())
+
+    def __coerce_same_metadata_as_tangent__(
+        self, expected: Any, expected_type: type | None = None
+    ) -> GlobalTensor | None:
+        """The incoming gradient boxed to the layout the compiled backward was traced with."""
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        layout, shape, dtype = expected
+        if tuple(self.shape) != shape or self.dtype != dtype:
+            return None
+        return self if self._layout == layout else _box(self, layout)
 
     # -- metadata ---------------------------------------------------------------------
     @property

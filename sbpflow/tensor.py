@@ -27,7 +27,7 @@ from ._layout import Layout, empty_local_shape, logical_shape_from_locals
 from ._lazy_bits import resolved
 from ._printing import global_format, global_repr, logical_value
 from .boxing import tracing as _trace
-from .boxing._redistribute import Redistribute
+from .boxing._redistribute import Redistribute, box_below_autograd
 from .comm import _groups, collectives
 from .comm._world import device_for, get_rank, get_world_size
 from .placement import Placement
@@ -289,4 +289,4 @@ for _name, _method in {
     "__format__": global_format,
 }.items():
     setattr(GlobalTensor, _name, _method)
-bind_dispatcher(_dispatch.dispatch)
+bind_dispatcher(_dispatch.dispatch, box_below_autograd)
