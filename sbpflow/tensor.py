@@ -62,7 +62,7 @@ def _to_global_method(
             )
         sbp = self.sbp
     dst = Layout(placement, normalize(sbp, placement.ndim, self.ndim))
-    if check_meta:
+    if check_meta and not torch.compiler.is_compiling():  # compiled: layouts are guarded
         _check_boxing_meta(self, dst)
     if dst == self._layout:
         return self
@@ -206,6 +206,19 @@ def to_global(
         return x.to_global(placement, sbp, check_meta=check_meta)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
+    if torch.compiler.is_compiling():  # the ranks' shapes are exchanged: not in a graph
+        return _from_local_outside_graph(x, placement, sbp, check_meta=check_meta, shape=shape)
+    return _from_local(x, placement, sbp, check_meta=check_meta, shape=shape)
+
+
+def _from_local(
+    x: torch.Tensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+    shape: Sequence[int] | None,
+) -> GlobalTensor:
     x = resolved(x)  # NOTE [lazy bits]: a conj/neg view's flag would not reach the locals
     if placement is None or sbp is None:
         raise ValueError(
@@ -245,6 +258,13 @@ def to_global(
     logical = tuple(shape) if shape is not None else tuple(x.shape)
     layout = Layout(placement, nd_sbp)
     return _FromLocal.apply(x, layout, logical)
+
+
+def _from_local_outside_graph(*args: Any, **kwargs: Any) -> GlobalTensor:
+    """``_from_local`` as a graph break: torch.compile runs it eagerly between two graphs."""
+    import torch._dynamo  # loaded by torch.compile already; not by ``import sbpflow``
+
+    return cast(GlobalTensor, torch._dynamo.disable(_from_local)(*args, **kwargs))
 
 
 def _validate_local_args(

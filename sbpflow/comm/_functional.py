@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
+
+from .._compiling import traced
 
 __all__ = [
     "all_gather",
@@ -33,11 +33,6 @@ __all__ = [
 ]
 
 _ops = torch.ops._c10d_functional
-
-
-def traced(t: torch.Tensor) -> bool:
-    """Whether ``t`` belongs to a ``torch.compile`` trace (its collectives must be functional)."""
-    return isinstance(t, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
 
 
 def refuse_traced(what: str, t: torch.Tensor) -> None:

@@ -178,6 +178,43 @@ def _train(
     }
 
 
+def _boxing_and_dropout() -> dict[str, Any]:
+    """Compiled against eager from the same seed: a Megatron-style row-parallel matmul whose
+    partial output a ``to_global`` inside the compiled function reduces (in the graph), then
+    dropout (a graph break: it runs eagerly, drawing from sbpflow's logical random state)."""
+    torch._dynamo.reset()
+    pl = _world()
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(4, 6, generator=gen), torch.randn(5, 6, generator=gen)
+    gx = _global_batch(x, pl, Split(1))
+    gw = _global_batch(w, pl, Split(1))
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu((x @ gw.t()).to_global(sbp=B))
+
+    def reduce_then_dropout(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(reduce(x), 0.5, training=True) * 3
+
+    counting = _Backend("aot_eager")
+    out = {}
+    for name, fn in {"reduce": reduce, "dropout": reduce_then_dropout}.items():
+        sbpflow.manual_seed(5)
+        compiled_fn = torch.compile(fn, backend=counting)
+        got = [_logical(compiled_fn(gx)) for _ in range(2)]  # two draws: different masks
+        sbpflow.manual_seed(5)
+        want = [_logical(fn(gx)) for _ in range(2)]
+        explained = torch._dynamo.explain(fn)(gx)
+        out[name] = {
+            "errors": [(g - w).abs().max().item() for g, w in zip(got, want, strict=True)],
+            "draws_differ": not torch.equal(got[0], got[1]),
+            "graph_breaks": explained.graph_break_count,
+        }
+    out["single_process"] = (_logical(reduce(gx)) - torch.relu(x @ w.t())).abs().max().item()
+    out["in_graph"] = dict(counting.collectives)
+    torch._dynamo.reset()
+    return out
+
+
 def _world() -> sbpflow.Placement:
     return sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
 
@@ -241,6 +278,18 @@ def test_compiled_training_on_one_axis() -> None:
         assert in_graph["DP mlp inductor"] == in_graph["DP block"] == {}, in_graph
         assert in_graph["TP block"], in_graph  # attention heads: boxing inside the graph
         assert per_rank[2][1]["collectives"][0][0], per_rank  # TP mlp: the loss reduces P
+
+
+def test_boxing_inside_and_dropout_across_a_compiled_function() -> None:
+    """``to_global`` inside a compiled function is an all_reduce in its graph and equals eager
+    sbpflow and a single-process matmul; dropout breaks the graph and draws as eager does."""
+    for got in get_pool(2).run(_boxing_and_dropout):
+        assert got["single_process"] < _TOL, got
+        assert got["in_graph"] == {"all_reduce": 2}, got  # once per compiled function
+        assert got["reduce"]["graph_breaks"] == 0 and got["dropout"]["graph_breaks"] == 1, got
+        for name in ("reduce", "dropout"):
+            assert max(got[name]["errors"]) < _TOL, got
+        assert got["dropout"]["draws_differ"], got
 
 
 def test_compiled_training_on_2x2_mesh() -> None:
