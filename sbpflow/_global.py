@@ -267,7 +267,7 @@ def _never_a_compiled_frame(code: Any) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(skip, skip))
 
 
-_never_a_compiled_frame(GlobalTensor.__torch_dispatch__.__func__.__code__)
+_never_a_compiled_frame(vars(GlobalTensor)["__torch_dispatch__"].__func__.__code__)
 
 
 def is_global(x: object) -> bool:
