@@ -148,13 +148,33 @@ def _build(config: dict[str, Any], rank: int, mesh: Any) -> tuple[dict[str, Any]
         DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for t in (tok_loc, tgt_loc)
     )
 
+    bucketed = config["bucketed"]
+    if bucketed:  # sbpflow's parameters hand their gradients to buckets instead of reducing
+        sbpflow.nn.parallel.sync_gradients(sbp_model)
+
     def reduce_plain() -> None:
-        for p in plain.parameters():
-            dist.all_reduce(p.grad)
+        grads = [p.grad for p in plain.parameters()]
+        if not bucketed:
+            for g in grads:
+                dist.all_reduce(g)
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(r)
 
     def reduce_dtensor() -> None:
-        for p in dt_model.parameters():
-            p.grad = p.grad.redistribute(mesh, [Replicate()])
+        params = list(dt_model.parameters())
+        if not bucketed:
+            for p in params:
+                p.grad = p.grad.redistribute(mesh, [Replicate()])
+            return
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch._utils._flatten_dense_tensors(locals_)
+        dist.all_reduce(flat)
+        reduced = torch._utils._unflatten_dense_tensors(flat, locals_)
+        for p, r in zip(params, reduced, strict=True):
+            p.grad = DTensor.from_local(r, mesh, [Replicate()], run_check=False)
 
     def step(fn: Callable[..., torch.Tensor], m: nn.Module, args: Any, reduce: Any) -> Any:
         def run() -> torch.Tensor:
@@ -180,14 +200,22 @@ def _build(config: dict[str, Any], rank: int, mesh: Any) -> tuple[dict[str, Any]
             torch.compile(loss_of(dt_model)), dt_model, dt_args, reduce_dtensor
         ),
     }
-    want = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).item()
+    reference = loss_of(model)(tokens, targets)
+    reference.backward()
+    want = [p.grad for p in model.parameters()]
     for name, run in steps.items():
         loss = run()  # compiles the compiled ones
         if name.startswith("plain"):
             continue
+        m = sbp_model if name.startswith("sbpflow") else dt_model
         got = loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item()
-        if abs(got - want) > 1e-4:
-            raise AssertionError(f"{name}: loss {got}, single process {want} on rank {rank}")
+        grads = [p.grad.to_local() for p in m.parameters()]  # broadcast / replicated: whole
+        grad_error = max((g - w).abs().max().item() for g, w in zip(grads, want, strict=True))
+        if abs(got - reference.item()) > 1e-4 or grad_error > 1e-4:
+            raise AssertionError(
+                f"{name} differs from one process on rank {rank}: loss {got} "
+                f"against {reference.item()}, gradients by {grad_error}"
+            )
     counter = _CountOps()
     with counter:
         steps["plain eager"]()
@@ -298,6 +326,7 @@ def section(
     load: str,
 ) -> str:
     args = " ".join(f"--{k} {config[k]}" for k in ("layers", "dim", "batch", "reps", "inner"))
+    args += "" if config["bucketed"] else " --per-parameter"
     off = misses(r)
     verdict = ["Targets met (medians)."] if not off else ["Off target:", *[f"- {m}" for m in off]]
     return "\n".join(
@@ -312,9 +341,19 @@ def section(
             f"A {config['layers']}-layer transformer (width {config['dim']}, {config['heads']} "
             f"heads, vocabulary {config['vocab']}), batch {config['batch']} x {config['seq']} "
             "tokens split over the ranks (data parallel). One step: forward, cross-entropy, "
-            "backward and the gradients' all_reduce (eager in every implementation: sbpflow's "
-            "parameter hooks, DTensor's `redistribute` to `Replicate()`, plain torch's "
-            "`dist.all_reduce` per gradient). Compiled: `torch.compile` of model and loss, "
+            "backward and the gradients' all_reduce, eager in every implementation: "
+            + (
+                "one bucket (sbpflow: `sync_gradients`; DTensor and plain torch: the flattened "
+                "gradients, one `dist.all_reduce`). "
+                if config["bucketed"]
+                else "one collective per parameter (sbpflow's parameter hooks, DTensor's "
+                "`redistribute` to `Replicate()`, plain torch's `dist.all_reduce`). "
+            )
+            + "sbpflow and DTensor compute the mean loss of the whole batch, so their step holds "
+            "one more collective (an all_reduce of the mean's divisor, inside the compiled "
+            "forward); plain torch takes each rank's local mean. "
+            "Gradients and loss of sbpflow and DTensor are checked against one process "
+            "before timing. Compiled: `torch.compile` of model and loss, "
             "default backend (Inductor, C++). "
             f"Per-op host time: step time / {num_ops}, the ATen ops of one plain eager step.",
             "",
@@ -338,6 +377,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=11, help="timed samples (default 11)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions (default 2)")
     parser.add_argument("--inner", type=int, default=10, help="steps per sample (default 10)")
+    parser.add_argument(
+        "--per-parameter",
+        action="store_true",
+        help="reduce gradients one collective per parameter (default: one bucket)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 samples of 3 steps: a smoke run")
     parser.add_argument("--out", type=Path, help="write the results into this file's section")
     args = parser.parse_args(argv)
@@ -351,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         "reps": args.reps,
         "warmup": args.warmup,
         "inner": args.inner,
+        "bucketed": not args.per_parameter,
     }
     if args.quick:
         config.update(reps=3, warmup=1, inner=3)
