@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ._bounded import BoundedDict
+from ._compiling import never_a_compiled_frame
 from ._layout import Layout
 from .comm._world import get_rank
 from .placement import Placement
@@ -159,7 +160,7 @@ class GlobalTensor(torch.Tensor):
     ) -> Any:
         return _dispatcher(func, args, kwargs or {})
 
-    # -- tracing (NOTE [compiled global tensors] in sbpflow/_compile.py) ---------------
+    # -- tracing (NOTE [compiled global tensors] in sbpflow/_compiling.py) -------------
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
         meta = self._meta
         return ["_local"], (meta.layout, meta.shape, meta.dtype)
@@ -245,29 +246,9 @@ class GlobalTensor(torch.Tensor):
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 
 
-def _never_a_compiled_frame(code: Any) -> None:
-    """Keep torch.compile from compiling ``code``'s frame and every frame it calls.
-
-    Inside a compiled function, an op Dynamo does not put in its graph runs
-    eagerly, and its ``__torch_dispatch__`` would be a new frame for Dynamo to
-    compile: the whole dispatcher. It must run as plain Python instead. (Ops
-    Dynamo does trace reach the dispatcher on fake tensors, from Dynamo's and
-    AOTAutograd's own code, which this does not touch.) A C-level flag on the
-    code object: nothing is added to eager calls.
-    """
-    try:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-    except ImportError:  # a torch built without Dynamo
-        return
-    skip = _FrameAction.SKIP
-    set_code_exec_strategy(code, _FrameExecStrategy(skip, skip))
-
-
-_never_a_compiled_frame(vars(GlobalTensor)["__torch_dispatch__"].__func__.__code__)
+# Inside a compiled function, an op Dynamo leaves out of its graph runs eagerly, and its
+# __torch_dispatch__ would be a new frame for Dynamo to compile: the whole dispatcher.
+never_a_compiled_frame(vars(GlobalTensor)["__torch_dispatch__"].__func__.__code__)
 
 
 def is_global(x: object) -> bool:

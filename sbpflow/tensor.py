@@ -22,6 +22,7 @@ import torch
 
 from . import _dispatch, _meta_check
 from ._bounded import BoundedDict
+from ._compiling import graph_break
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
 from ._lazy_bits import resolved
@@ -206,11 +207,16 @@ def to_global(
         return x.to_global(placement, sbp, check_meta=check_meta)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global expects a torch.Tensor, got {type(x).__name__}.")
-    if torch.compiler.is_compiling():  # the ranks' shapes are exchanged: not in a graph
-        return _from_local_outside_graph(x, placement, sbp, check_meta=check_meta, shape=shape)
     return _from_local(x, placement, sbp, check_meta=check_meta, shape=shape)
 
 
+_LOCAL_TO_GLOBAL_BREAKS = (
+    "sbpflow: a global tensor made from local ones exchanges the ranks' shapes and broadcasts "
+    "data, which a graph cannot hold; convert inputs before calling the compiled function."
+)
+
+
+@graph_break(_LOCAL_TO_GLOBAL_BREAKS)
 def _from_local(
     x: torch.Tensor,
     placement: Placement | None,
@@ -260,13 +266,6 @@ def _from_local(
     return _FromLocal.apply(x, layout, logical)
 
 
-def _from_local_outside_graph(*args: Any, **kwargs: Any) -> GlobalTensor:
-    """``_from_local`` as a graph break: torch.compile runs it eagerly between two graphs."""
-    import torch._dynamo  # loaded by torch.compile already; not by ``import sbpflow``
-
-    return cast(GlobalTensor, torch._dynamo.disable(_from_local)(*args, **kwargs))
-
-
 def _validate_local_args(
     x: torch.Tensor, placement: Placement, sbp: Any, world_size: int
 ) -> tuple[str | None, NdSbp]:
@@ -284,6 +283,7 @@ def _validate_local_args(
         return str(error), ()
 
 
+@graph_break(_LOCAL_TO_GLOBAL_BREAKS)
 def _tensor_to_global(
     self: torch.Tensor,
     placement: Placement | None = None,
