@@ -13,7 +13,8 @@
 # line for timeout errors, recording ``boxing.trace``). What cannot be either
 # refuses to be traced: random ops (the logical random state advances in
 # Python; Dynamo then breaks the graph and runs them eagerly), making a global
-# tensor from local ones (a graph break), boxing between placements (an error).
+# tensor from local ones and explicit ``to_global`` boxing (graph breaks), boxing
+# between placements (an error).
 """
 
 from __future__ import annotations

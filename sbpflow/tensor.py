@@ -48,6 +48,32 @@ def _to_global_method(
     check_meta: bool = True,
 ) -> GlobalTensor:
     """Change the layout (boxing); the logical value stays the same. Differentiable."""
+    if torch.compiler.is_compiling():
+        return _box_between_graphs(self, placement, sbp, check_meta=check_meta)
+    return _box(self, placement, sbp, check_meta=check_meta)
+
+
+@graph_break(
+    "sbpflow: to_global on a global tensor runs between graphs; the boxing the ops inside a "
+    "compiled function need is compiled into its graph."
+)
+def _box_between_graphs(
+    self: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
+    return _box(self, placement, sbp, check_meta=check_meta)
+
+
+def _box(
+    self: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
     if placement is not None and not isinstance(placement, Placement):
         raise TypeError(
             f"placement must be an sbpflow.placement, got {type(placement).__name__}: "
@@ -63,7 +89,7 @@ def _to_global_method(
             )
         sbp = self.sbp
     dst = Layout(placement, normalize(sbp, placement.ndim, self.ndim))
-    if check_meta and not torch.compiler.is_compiling():  # compiled: layouts are guarded
+    if check_meta:
         _check_boxing_meta(self, dst)
     if dst == self._layout:
         return self

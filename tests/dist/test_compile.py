@@ -180,36 +180,56 @@ def _train(
 
 def _boxing_and_dropout() -> dict[str, Any]:
     """Compiled against eager from the same seed: a Megatron-style row-parallel matmul whose
-    partial output a ``to_global`` inside the compiled function reduces (in the graph), then
-    dropout (a graph break: it runs eagerly, drawing from sbpflow's logical random state)."""
+    partial output ``relu`` needs reduced (boxing the op needs: in the graph); the same with an
+    explicit ``to_global`` (a graph break); then dropout (a graph break: it runs eagerly,
+    drawing from sbpflow's logical random state); and a global tensor made from local pieces
+    inside the compiled function (a graph break)."""
     torch._dynamo.reset()
     pl = _world()
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(4, 6, generator=gen), torch.randn(5, 6, generator=gen)
     gx = _global_batch(x, pl, Split(1))
     gw = _global_batch(w, pl, Split(1))
+    x_piece = x.tensor_split(pl.num_ranks, dim=1)[sbpflow.env.get_rank()].contiguous()
 
-    def reduce(x: torch.Tensor) -> torch.Tensor:
+    def implicit(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ gw.t())
+
+    def explicit(x: torch.Tensor) -> torch.Tensor:
         return torch.relu((x @ gw.t()).to_global(sbp=B))
 
-    def reduce_then_dropout(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.dropout(reduce(x), 0.5, training=True) * 3
+    def dropout(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(implicit(x), 0.5, training=True) * 3
+
+    def from_local(x: torch.Tensor) -> torch.Tensor:
+        return implicit(sbpflow.to_global(x, pl, Split(1)))
 
     counting = _Backend("aot_eager")
-    out = {}
-    for name, fn in {"reduce": reduce, "dropout": reduce_then_dropout}.items():
+    out: dict[str, Any] = {}
+    cases = {
+        "implicit": implicit,
+        "explicit": explicit,
+        "dropout": dropout,
+        "from_local": from_local,
+    }
+    for name, fn in cases.items():
+        arg = x_piece if name == "from_local" else gx
         sbpflow.manual_seed(5)
         compiled_fn = torch.compile(fn, backend=counting)
-        got = [_logical(compiled_fn(gx)) for _ in range(2)]  # two draws: different masks
+        got = [_logical(compiled_fn(arg)) for _ in range(2)]  # two draws: different masks
         sbpflow.manual_seed(5)
-        want = [_logical(fn(gx)) for _ in range(2)]
-        explained = torch._dynamo.explain(fn)(gx)
+        want = [_logical(fn(arg)) for _ in range(2)]
+        explained = torch._dynamo.explain(fn)(arg)
         out[name] = {
             "errors": [(g - w).abs().max().item() for g, w in zip(got, want, strict=True)],
             "draws_differ": not torch.equal(got[0], got[1]),
             "graph_breaks": explained.graph_break_count,
+            "graphs": explained.graph_count,
         }
-    out["single_process"] = (_logical(reduce(gx)) - torch.relu(x @ w.t())).abs().max().item()
+    with sbpflow.boxing.trace() as eager:
+        implicit(gx)
+    out["eager_collectives"] = dict(eager.collectives())
+    out["single_process"] = (_logical(implicit(gx)) - torch.relu(x @ w.t())).abs().max().item()
     out["in_graph"] = dict(counting.collectives)
     torch._dynamo.reset()
     return out
@@ -280,14 +300,22 @@ def test_compiled_training_on_one_axis() -> None:
         assert per_rank[2][1]["collectives"][0][0], per_rank  # TP mlp: the loss reduces P
 
 
-def test_boxing_inside_and_dropout_across_a_compiled_function() -> None:
-    """``to_global`` inside a compiled function is an all_reduce in its graph and equals eager
-    sbpflow and a single-process matmul; dropout breaks the graph and draws as eager does."""
+def test_boxing_dropout_and_conversions_in_a_compiled_function() -> None:
+    """The boxing an op needs inside a compiled function is an all_reduce in its graph, and
+    equals eager sbpflow and a single-process matmul; an explicit ``to_global``, dropout and a
+    local -> global conversion break the graph and give what eager sbpflow gives."""
     for got in get_pool(2).run(_boxing_and_dropout):
         assert got["single_process"] < _TOL, got
-        assert got["in_graph"] == {"all_reduce": 2}, got  # once per compiled function
-        assert got["reduce"]["graph_breaks"] == 0 and got["dropout"]["graph_breaks"] == 1, got
-        for name in ("reduce", "dropout"):
+        # implicit, dropout (before its break) and from_local (after its break): what eager
+        # sbpflow runs for the matmul's partial output, once each
+        [(kind, count)] = got["eager_collectives"].items()
+        assert count == 1 and got["in_graph"] == {kind: 3}, got
+        breaks = {name: got[name]["graph_breaks"] for name in ("implicit", "explicit", "dropout")}
+        assert breaks == {"implicit": 0, "explicit": 1, "dropout": 1}, got
+        # The conversion opens the function: it runs first, then the one graph (explain counts
+        # no break where no graph came before it).
+        assert got["from_local"]["graphs"] == 1, got
+        for name in ("implicit", "explicit", "dropout", "from_local"):
             assert max(got[name]["errors"]) < _TOL, got
         assert got["dropout"]["draws_differ"], got
 
