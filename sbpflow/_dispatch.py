@@ -47,7 +47,7 @@ from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .boxing.planner import plan as _plan
-from .comm import _errors, _groups
+from .comm import _errors, _functional, _groups
 from .comm._world import device_for, get_rank
 from .ops import _registry
 from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
@@ -170,7 +170,8 @@ def _run_rule(
         if g._layout.normalized() != layout.normalized():
             fast_key = None  # only calls that box nothing take the fast path
             assert id(g) not in mutated, f"{func}: a written input was chosen to be boxed"
-            _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # for timeouts
+            if not _functional.traced(g._local):  # compiled: no stack inspection at run time
+                _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # timeouts
             g = box_below_autograd(g, layout)
         local_flat[i] = g._local
     local_args, local_kwargs = tree_unflatten(local_flat, spec)

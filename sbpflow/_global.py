@@ -22,13 +22,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ._bounded import BoundedDict
+from ._compiling import never_a_compiled_frame
 from ._layout import Layout
+from .comm._world import get_rank
 from .placement import Placement
 from .sbp import NdSbp
 
@@ -114,10 +117,21 @@ _dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
 deferred_backward: Callable[[GlobalTensor, Any, Any, bool, Any], None] | None = None
 
 
-def bind_dispatcher(dispatch: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
-    """Route every ATen op on a global tensor to ``dispatch`` (NOTE [tensor layers])."""
-    global _dispatcher
-    _dispatcher = dispatch
+def _unbound_box(x: GlobalTensor, layout: Layout) -> GlobalTensor:
+    raise RuntimeError("boxing a global tensor before sbpflow.tensor bound the dispatcher.")
+
+
+_box: Callable[[GlobalTensor, Layout], GlobalTensor] = _unbound_box
+
+
+def bind_dispatcher(
+    dispatch: Callable[[Any, Any, dict[str, Any]], Any],
+    box: Callable[[GlobalTensor, Layout], GlobalTensor],
+) -> None:
+    """Route every ATen op on a global tensor to ``dispatch``, and boxing below autograd to
+    ``box`` (NOTE [tensor layers])."""
+    global _dispatcher, _box
+    _dispatcher, _box = dispatch, box
 
 
 class GlobalTensor(torch.Tensor):
@@ -152,6 +166,49 @@ class GlobalTensor(torch.Tensor):
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         return _dispatcher(func, args, kwargs or {})
+
+    # -- tracing (NOTE [compiled global tensors] in sbpflow/_compiling.py) -------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
+        meta = self._meta
+        return ["_local"], (meta.layout, meta.shape, meta.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
+    ) -> GlobalTensor:
+        layout, shape, dtype = ctx
+        local = inner["_local"]
+        return wrap(local, meta_of(layout, shape, dtype), local.requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key of this input in torch.compile's on-disk caches: metadata and this rank.
+
+        A compiled graph holds this rank's piece of every step (uneven shards,
+        which rank keeps a partial value), so ranks must never share one.
+        """
+        local = self._local
+        data = (self._meta.layout, self._meta.shape, self.dtype, self.requires_grad, get_rank())
+        data_local = (tuple(local.shape), local.stride(), local.dtype, local.device)
+        return hashlib.blake2b(repr((data, data_local)).encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self) -> GlobalTensor:
+        """The layout a compiled backward expects this output's gradient in: partial axes
+        broadcast, as a loss's gradient (``ones_like``) arrives."""
+        layout = self._layout
+        if not layout.has_partial:
+            return self
+        return _box(self, layout.without_partial())
+
+    def __coerce_same_metadata_as_tangent__(
+        self, expected: Any, expected_type: type | None = None
+    ) -> GlobalTensor | None:
+        """The incoming gradient boxed to the layout the compiled backward was traced with."""
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        layout, shape, dtype = expected
+        if tuple(self.shape) != shape or self.dtype != dtype:
+            return None
+        return self if self._layout == layout else _box(self, layout)
 
     # -- metadata ---------------------------------------------------------------------
     @property
@@ -233,6 +290,11 @@ class GlobalTensor(torch.Tensor):
 
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 _TENSOR_DATA = torch._C.TensorBase.data
+
+
+# Inside a compiled function, an op Dynamo leaves out of its graph runs eagerly, and its
+# __torch_dispatch__ would be a new frame for Dynamo to compile: the whole dispatcher.
+never_a_compiled_frame(vars(GlobalTensor)["__torch_dispatch__"].__func__.__code__)
 
 
 def is_global(x: object) -> bool:

@@ -65,6 +65,12 @@ class Layout:
             return empty_local_shape(len(shape))
         return tuple(stop - start for start, stop in self.box(shape, rank))
 
+    def without_partial(self) -> Layout:
+        """The same layout with partial axes written as broadcast."""
+        return Layout(
+            self.placement, tuple(Broadcast() if isinstance(s, Partial) else s for s in self.sbp)
+        )
+
     def normalized(self) -> Layout:
         """The same layout with size-1 mesh axes written as broadcast.
 

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ._compiling import compiling
+
 __all__ = [
     "draw_numel",
     "draws",
@@ -81,6 +83,13 @@ def state() -> tuple[int, int]:
 def take(numel: int) -> tuple[int, int]:
     """Claim ``numel`` positions for one random op; return ``(seed, offset)`` of the first."""
     global _offset
+    if compiling():
+        raise RuntimeError(
+            "sbpflow: a random op on a global tensor (dropout with p > 0, bernoulli, normal_, "
+            "sbpflow.randn, ...) cannot run inside torch.compile: sbpflow's logical random "
+            "state advances in Python, which a compiled graph would freeze. Call it outside "
+            "the compiled function, or compile the model in eval() mode / with dropout p=0."
+        )
     start = _offset
     _offset += numel
     return _seed, start

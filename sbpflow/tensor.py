@@ -22,12 +22,13 @@ import torch
 
 from . import _devices, _dispatch, _meta_check
 from ._bounded import BoundedDict
+from ._compiling import graph_break
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
 from ._layout import Layout, empty_local_shape, logical_shape_from_locals
 from ._lazy_bits import resolved
 from ._printing import global_format, global_repr, logical_value
 from .boxing import tracing as _trace
-from .boxing._redistribute import Redistribute
+from .boxing._redistribute import Redistribute, box_below_autograd
 from .comm import _groups, collectives
 from .comm._world import device_for, get_rank, get_world_size
 from .placement import Placement
@@ -47,6 +48,32 @@ def _to_global_method(
     check_meta: bool = True,
 ) -> GlobalTensor:
     """Change the layout (boxing); the logical value stays the same. Differentiable."""
+    if torch.compiler.is_compiling():
+        return _box_between_graphs(self, placement, sbp, check_meta=check_meta)
+    return _box(self, placement, sbp, check_meta=check_meta)
+
+
+@graph_break(
+    "sbpflow: to_global on a global tensor runs between graphs; the boxing the ops inside a "
+    "compiled function need is compiled into its graph."
+)
+def _box_between_graphs(
+    self: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
+    return _box(self, placement, sbp, check_meta=check_meta)
+
+
+def _box(
+    self: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
     if placement is not None and not isinstance(placement, Placement):
         raise TypeError(
             f"placement must be an sbpflow.placement, got {type(placement).__name__}: "
@@ -220,6 +247,24 @@ def to_global(
             f"to_global expects a dense (strided) tensor, got a {x.layout} one. Convert it with "
             "x.to_dense() first: global tensors hold dense local pieces."
         )
+    return _from_local(x, placement, sbp, check_meta=check_meta, shape=shape)
+
+
+_LOCAL_TO_GLOBAL_BREAKS = (
+    "sbpflow: a global tensor made from local ones exchanges the ranks' shapes and broadcasts "
+    "data, which a graph cannot hold; convert inputs before calling the compiled function."
+)
+
+
+@graph_break(_LOCAL_TO_GLOBAL_BREAKS)
+def _from_local(
+    x: torch.Tensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+    shape: Sequence[int] | None,
+) -> GlobalTensor:
     x = resolved(x)  # NOTE [lazy bits]: a conj/neg view's flag would not reach the locals
     if placement is None or sbp is None:
         raise ValueError(
@@ -278,6 +323,7 @@ def _validate_local_args(
         return str(error), ()
 
 
+@graph_break(_LOCAL_TO_GLOBAL_BREAKS)
 def _tensor_to_global(
     self: torch.Tensor,
     placement: Placement | None = None,
@@ -305,4 +351,4 @@ for _name, _method in {
     "__format__": global_format,
 }.items():
     setattr(GlobalTensor, _name, _method)
-bind_dispatcher(_dispatch.dispatch)
+bind_dispatcher(_dispatch.dispatch, box_below_autograd)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._layout import Layout, box_shape, empty_local_shape, member_sizes, relative
-from ..comm import _groups, collectives
+from ..comm import _functional, _groups, collectives
 from ..sbp import Partial, Split
 from . import tracing as _trace
 from ._transfer import transfer_pieces
@@ -31,7 +31,8 @@ def execute(plan: BoxingPlan, local: torch.Tensor, rank: int) -> torch.Tensor:
         owned = owned or (local is not before and step.op != "slice")
         if took_part:
             ran.append(step.op)
-    _trace.record(plan, ran)
+    if not _functional.traced(local):  # a compiled graph records nothing (docs/compile.md)
+        _trace.record(plan, ran)
     if not plan.steps or not owned:
         # No step produced a fresh buffer (identity plan, or only views): the
         # result must not alias the caller's tensor.
@@ -108,6 +109,7 @@ def _run_transfer(
     step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int
 ) -> torch.Tensor:
     src, dst = step.src, step.dst
+    _functional.refuse_traced(f"boxing from {src.describe()} to {dst.describe()}", local)
     if src.placement.type != dst.placement.type:
         raise NotImplementedError(
             f"the executor boxes between placements of one device type, got {src.placement} -> "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _functional
 from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
 from ._meta import all_gather_meta, all_gather_object, gather_objects, same_on_every_rank
@@ -64,7 +65,7 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return _all_gather_inner(local, dim, group)
     piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
     out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
-    _all_gather_into(out, piece, group)
+    out = _all_gather_into(out, piece, group)
     slot = _group_slots(ranks)
     if slot is None and all(s == longest for s in sizes):
         return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
@@ -84,7 +85,7 @@ def _all_gather_inner(local: torch.Tensor, dim: int, group: Group) -> torch.Tens
     num = len(group[0])
     piece = local.contiguous()
     out = piece.new_empty((num, *piece.shape))  # (member, *local.shape)
-    _all_gather_into(out, piece, group)
+    out = _all_gather_into(out, piece, group)
     shape = list(piece.shape)
     shape[dim] *= num
     return out.movedim(0, dim).reshape(shape)  # (..., member, n, ...) -> (..., member * n, ...)
@@ -98,8 +99,7 @@ def _reduce_scatter_inner(
     shape[dim : dim + 1] = [num, shape[dim] // num]
     src = block.reshape(shape).movedim(dim, 0).contiguous()  # (member, ..., n, ...)
     out = src.new_empty(src.shape[1:])
-    _reduce_scatter_into(out, src, group, reduce_op)
-    return out
+    return _reduce_scatter_into(out, src, group, reduce_op)
 
 
 def _merge_leading(out: torch.Tensor, num: int, dim: int) -> torch.Tensor:
@@ -120,8 +120,7 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
         out = local
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
-    _all_reduce_in_place(out, group, reduce_op)
-    return out
+    return _all_reduce_in_place(out, group, reduce_op)
 
 
 class PendingCollective:
@@ -173,7 +172,7 @@ def reduce_scatter(
         members = order or range(len(ranks))
         src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
     out = src.new_empty((longest, *src.shape[1:]))
-    _reduce_scatter_into(out, src, group, reduce_op)
+    out = _reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -209,7 +208,7 @@ def all_to_all(
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = local.new_empty(sum(recv_numels))
     send_numels = [c.numel() for c in send_chunks]
-    _all_to_all_into(recv, send, recv_numels, send_numels, group)
+    recv = _all_to_all_into(recv, send, recv_numels, send_numels, group)
     if src_dim == 0 and order is None:
         shape = list(recv_shapes[0])
         shape[0] = sum(src_sizes)
@@ -237,34 +236,50 @@ def broadcast(buffer: torch.Tensor, src_rank: int, group: Group) -> torch.Tensor
     ranks, handle = group
     if handle is None:
         return buffer
+    if _functional.traced(buffer):
+        return _functional.broadcast(buffer, src_rank, handle)
     with named("broadcast", ranks):
         dist.broadcast(buffer, src=src_rank, group=handle)
     return buffer
 
 
 # -- the process-group calls (pieces in process-group order, tensors contiguous) ---------
+# Each fills its ``out`` buffer and returns it; inside a torch.compile trace it
+# returns the functional collective's new tensor instead (NOTE [traced collectives]).
 
 
-def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
+def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> torch.Tensor:
     """``out`` (members x ``piece``, in process-group order) gets every member's ``piece``."""
     ranks, handle = group
+    assert handle is not None
+    if _functional.traced(piece):
+        return _functional.all_gather(piece.view(-1), handle).view(out.shape)
     with named("all_gather", ranks):
         all_gather_single(out.view(-1), piece.view(-1), group=handle)
+    return out
 
 
 def _reduce_scatter_into(
     out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
-) -> None:
+) -> torch.Tensor:
     """``out`` gets the reduction of this member's piece (process-group order) of every ``block``."""
     ranks, handle = group
+    assert handle is not None
+    if _functional.traced(block):
+        return _functional.reduce_scatter(block.view(-1), handle, reduce_op).view(out.shape)
     with named("reduce_scatter", ranks):
         reduce_scatter_single(out.view(-1), block.view(-1), op=REDUCE_OPS[reduce_op], group=handle)
+    return out
 
 
-def _all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> None:
+def _all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
     ranks, handle = group
+    assert handle is not None
+    if _functional.traced(tensor):
+        return _functional.all_reduce(tensor, handle, reduce_op)
     with named("all_reduce", ranks):
         dist.all_reduce(tensor, op=REDUCE_OPS[reduce_op], group=handle)
+    return tensor
 
 
 def _all_to_all_into(
@@ -273,11 +288,15 @@ def _all_to_all_into(
     recv_numels: list[int],
     send_numels: list[int],
     group: Group,
-) -> None:
+) -> torch.Tensor:
     """Piece ``k`` of ``send`` to member ``k`` (process-group order)."""
     ranks, handle = group
+    assert handle is not None
+    if _functional.traced(send):
+        return _functional.all_to_all(send, recv_numels, send_numels, handle)
     with named("all_to_all", ranks):
         dist.all_to_all_single(recv, send, recv_numels, send_numels, group=handle)
+    return recv
 
 
 # NOTE [member order]
