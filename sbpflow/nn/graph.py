@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 
+from ..env import get_rank
 from ._block import Block, BlockConfig
+from ._compiled_stages import compile_forwards
 from ._microbatch import mean_outputs, split_microbatches
 from ._pipeline_runtime import run_step
 from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_ranks
@@ -61,11 +63,27 @@ __all__ = ["Block", "BlockConfig", "Graph", "GraphConfig"]
 class GraphConfig:
     """The settings of a graph's step: gradient accumulation and the pipeline schedule."""
 
-    __slots__ = ("_num_microbatches", "_schedule")
+    __slots__ = ("_compile_options", "_num_microbatches", "_schedule")
 
     def __init__(self) -> None:
         self._num_microbatches = 1
         self._schedule: str | None = None
+        self._compile_options: dict[str, Any] | None = None
+
+    def enable_compile(self, enabled: bool = True, **options: Any) -> None:
+        """Run each pipeline stage's forward (and so its backward) compiled with ``torch.compile``.
+
+        ``options`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). A graph
+        without stages compiles the forward of each module assigned to it. NOTE [compiled
+        stages] says what is compiled and what stays eager.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enable_compile takes True or False, got {enabled!r}.")
+        self._compile_options = dict(options) if enabled else None
+
+    @property
+    def compile_enabled(self) -> bool:
+        return self._compile_options is not None
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
         """Cut each batch argument into ``value`` micro-batches along dim 0; step once after the last."""
@@ -107,14 +125,15 @@ class GraphConfig:
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"sbpflow's GraphConfig has no {name!r}; it offers "
-            "set_gradient_accumulation_steps(n) and set_pipeline_schedule(name). (OneFlow's "
+            "set_gradient_accumulation_steps(n), set_pipeline_schedule(name) and "
+            "enable_compile(True). (OneFlow's "
             "compiler options have no counterpart in eager execution: leave them out.)"
         )
 
     def __repr__(self) -> str:
         return (
             f"GraphConfig(gradient_accumulation_steps={self._num_microbatches}, "
-            f"pipeline_schedule={self.pipeline_schedule!r})"
+            f"pipeline_schedule={self.pipeline_schedule!r}, compile={self.compile_enabled})"
         )
 
 
@@ -213,6 +232,7 @@ class Graph:
         check_stages(stages)  # the same verdict on every rank, before any communication
         num_microbatches = self.config.gradient_accumulation_steps
         microbatches = split_microbatches(args, kwargs, num_microbatches)
+        compile_forwards(self._compiled_modules(stages), self.config._compile_options)
         params = self._parameters()
         earlier = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in earlier:
@@ -269,6 +289,14 @@ class Graph:
             if cfg.stage_id is not None and cfg.stage_placement is not None:
                 found.append(Stage(block._name, block.origin, cfg.stage_id, cfg.stage_placement))
         return found
+
+    def _compiled_modules(self, stages: list[Stage]) -> list[torch.nn.Module]:
+        """The modules ``enable_compile`` compiles on this rank: the stages it holds, or (with
+        no stages) the graph's modules."""
+        if not stages:
+            return [block.origin for block in self._top_blocks]
+        rank = get_rank()
+        return [stage.module for stage in stages if rank in stage.placement]
 
     def _parameters(self) -> list[torch.Tensor]:
         """Every parameter the step trains: the graph's modules' and the optimizers', once each."""

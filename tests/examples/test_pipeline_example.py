@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,9 @@ WRAPPER = """
         for name, p in program["module_pipeline"].named_parameters()
     }
     pieces = {"x": program["x"].to_local(), "y": program["y"].to_local()}
-    torch.save({"params": params, **pieces}, os.path.join(out, f"rank{rank}.pt"))
+    from torch._dynamo.utils import counters  # graphs compiled (none unless enable_compile)
+    graphs = counters["stats"]["unique_graphs"]
+    torch.save({"params": params, "graphs": graphs, **pieces}, os.path.join(out, f"rank{rank}.pt"))
 """
 
 
@@ -103,14 +106,27 @@ def _reference(rng_states: list[torch.Tensor]) -> dict[str, Any]:
     return {"losses": losses, "params": named, "x": x, "y": y}
 
 
-def test_pipeline_example_matches_single_process_training(tmp_path: Path) -> None:
+COMPILE_LINE = "        self.config.enable_compile(True)\n"
+ACCUMULATION_LINE = "        self.config.set_gradient_accumulation_steps(2)\n"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "enable_compile"])
+def test_pipeline_example_matches_single_process_training(tmp_path: Path, compiled: bool) -> None:
     """Losses printed by examples/pipeline.py on 2 ranks and its final parameters equal the
-    same training in one process (see the module docstring for the reference)."""
+    same training in one process (see the module docstring for the reference); also with
+    ``self.config.enable_compile(True)`` added to its graph, where each rank must have
+    compiled its stage (Dynamo's graph count) and the result must not change."""
     wrapper = tmp_path / "run_example.py"
     wrapper.write_text(textwrap.dedent(WRAPPER))
+    example = EXAMPLE
+    if compiled:
+        source = EXAMPLE.read_text()
+        assert source.count(ACCUMULATION_LINE) == 1
+        example = tmp_path / "pipeline_compiled.py"
+        example.write_text(source.replace(ACCUMULATION_LINE, ACCUMULATION_LINE + COMPILE_LINE))
     argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
     result = subprocess.run(
-        [*argv, str(wrapper), str(tmp_path), str(EXAMPLE)],
+        [*argv, str(wrapper), str(tmp_path), str(example)],
         cwd=REPO_ROOT,
         env=_env(),
         stdin=subprocess.DEVNULL,
@@ -129,6 +145,8 @@ def test_pipeline_example_matches_single_process_training(tmp_path: Path) -> Non
     assert len(printed) == 20 and len(empty) == 20, output
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    graphs = [r["graphs"] for r in ranks]
+    assert all(g >= 1 for g in graphs) if compiled else graphs == [0, 0], graphs
     want = _reference([torch.load(tmp_path / f"rng{r}.pt") for r in (0, 1)])
     assert torch.equal(ranks[0]["x"], want["x"]) and torch.equal(ranks[1]["y"], want["y"])
     assert ranks[1]["x"].numel() == 0 and ranks[0]["y"].numel() == 0  # ranks outside hold none

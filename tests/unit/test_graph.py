@@ -327,3 +327,33 @@ def test_mean_outputs_keeps_structure() -> None:
     torch.testing.assert_close(mean.a, torch.tensor(2.0))
     with pytest.raises(TypeError, match="build returned a str; with gradient accumulation"):
         mean_outputs(["a", "b"])
+
+
+def test_enable_compile_sets_and_restores_compiled_forwards() -> None:
+    """``compile_forwards`` gives a module a compiled forward (same values as eager), keeps it
+    for the same options, and ``None`` (``enable_compile(False)``) puts the module's own back."""
+    from sbpflow.nn._compiled_stages import compile_forwards
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    want = module(x)
+    compile_forwards([module], {"backend": "eager"})
+    compiled = module.__dict__["forward"]
+    assert compiled is not type(module).forward
+    assert torch.equal(module(x), want)
+    compile_forwards([module], {"backend": "eager"})
+    assert module.__dict__["forward"] is compiled  # not compiled again
+    compile_forwards([module], None)
+    assert "forward" not in module.__dict__ and torch.equal(module(x), want)
+
+
+def test_enable_compile_takes_a_bool() -> None:
+    config = sbpflow.nn.GraphConfig()
+    assert not config.compile_enabled
+    config.enable_compile(True, backend="aot_eager")
+    assert config.compile_enabled and config._compile_options == {"backend": "aot_eager"}
+    config.enable_compile(False)
+    assert not config.compile_enabled
+    with pytest.raises(TypeError, match="enable_compile takes True or False, got 'yes'"):
+        config.enable_compile("yes")  # type: ignore[arg-type]
