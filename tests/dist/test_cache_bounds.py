@@ -29,6 +29,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         (_printing._reading_metas, _printing.READING_METAS_BOUND),
         (_dispatch._decisions, _dispatch.DECISIONS_BOUND),
         (_dispatch._fast, _dispatch.FAST_BOUND),
+        (_dispatch._outside_structures, _dispatch.DECISIONS_BOUND),
     ]
     sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
     # A BoundedDict added later must be listed here too, with its module's named bound.
