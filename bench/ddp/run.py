@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
@@ -141,15 +142,7 @@ def _variants(world: int) -> dict[str, Callable[[], None]]:
 
 
 def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    sbpflow.env.ensure_initialized()
+    join_world(rank, world, port)
     variants = _variants(world)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}

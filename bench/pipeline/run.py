@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.nn._pipeline_runtime import current_action  # noqa: E402
 from sbpflow.nn.pipeline import ActionKind, StepRecord, build_schedule  # noqa: E402
@@ -175,7 +176,7 @@ def _one_rank_time(model: nn.Module, m: int, rows: int, width_in: int, width_out
 
 
 def _worker_timed(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
-    _init(rank, world, port)
+    join_world(rank, world, port)
     results = {}
     for m in MICROBATCHES:
         for schedule in SCHEDULES:
@@ -203,7 +204,7 @@ def _real_mlp() -> Chain:
 
 
 def _worker_real(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
-    _init(rank, world, port)
+    join_world(rank, world, port)
     results = {}
     for schedule in ("gpipe", "1f1b", "zero_bubble"):
         model = _real_mlp()
@@ -218,18 +219,6 @@ def _worker_real(rank: int, world: int, port: int, reps: int, queue: Any) -> Non
         )
         queue.put((results, one))
     dist.barrier()
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    sbpflow.env.ensure_initialized()
 
 
 def _spawn(worker: Any, world: int, reps: int) -> Any:
