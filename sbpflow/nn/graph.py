@@ -126,8 +126,8 @@ class GraphConfig:
         raise AttributeError(
             f"sbpflow's GraphConfig has no {name!r}; it offers "
             "set_gradient_accumulation_steps(n), set_pipeline_schedule(name) and "
-            "enable_compile(True). (OneFlow's "
-            "compiler options have no counterpart in eager execution: leave them out.)"
+            "enable_compile(True, **torch_compile_options). (OneFlow's other compiler options "
+            "have no counterpart: leave them out.)"
         )
 
     def __repr__(self) -> str:
