@@ -191,8 +191,11 @@ def _run_rule(
         out = registered.local(func, local_args, local_kwargs, ctx)
     else:
         out = func(*local_args, **local_kwargs)
-    if fast_key is not None and not mutated:
-        _remember_fast(fast_key, out, decision, registered, ctx)
+    if fast_key is not None:
+        if not mutated:
+            _remember_fast(fast_key, out, decision, registered, ctx)
+        elif _writes_first_argument_only(func, args, mutated, out, decision):
+            _fast[fast_key] = _Fast(func._op, (), _IN_PLACE, registered.local, ctx)
     return _wrap_outputs(out, decision, globals_, mutated)
 
 
@@ -212,7 +215,9 @@ def _run_rule(
 class _Fast:
     op: Callable[..., Any]  # the ATen kernel itself (skips OpOverload.__call__)
     outputs: tuple[Meta, ...]  # the outputs' interned metadata
-    container: type | None  # None: one tensor output; else tuple or list of tensors
+    # None: one tensor output; tuple or list: that container of tensors; _IN_PLACE: an op
+    # writing its first argument in place and returning it (NOTE [in-place fast path])
+    container: type | None
     local: Any  # the rule's local function, or None
     ctx: LocalContext | None
 
@@ -270,15 +275,49 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
     _fast[key] = _Fast(op, metas, container, registered.local, ctx)
 
 
+# NOTE [in-place fast path]
+# An in-place op (``p.add_(g, alpha=-lr)``: an optimizer's step) whose first argument is
+# the only one written, keeps its layout and shape, and is returned, takes the fast path
+# too: the key pins every input's layout, so the decision is the same and boxes nothing;
+# the op runs on the pieces and the global tensor itself is returned. Writes into a view
+# that holds a copy are still refused (NOTE [view writes]); in-place view ops (``t_``,
+# ``squeeze_``), which change the tensor's metadata, never take it.
+class _InPlace:
+    pass
+
+
+_IN_PLACE: Any = _InPlace
+
+
+def _writes_first_argument_only(
+    func: Any, args: tuple, mutated: set[int], out: Any, decision: _Decision
+) -> bool:
+    first = args[0] if args else None
+    return (
+        isinstance(first, GlobalTensor)
+        and mutated == {id(first)}
+        and out is first._local
+        and torch.Tag.inplace_view not in func.tags
+        and len(decision.output_layouts) == 1
+        and decision.output_layouts[0].normalized() == first._layout.normalized()
+        and decision.output_metas[0].shape == tuple(first.shape)
+        and isinstance(func, torch._ops.OpOverload)
+    )
+
+
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     gt = GlobalTensor
     local_args = [a._local if isinstance(a, gt) else a for a in args]
+    if fast.container is _IN_PLACE and args[0]._is_view():
+        refuse_detached_view_writes(func, args, kwargs)
     if fast.local is not None:
         out = fast.local(func, tuple(local_args), kwargs, fast.ctx)
     else:
         out = fast.op(*local_args, **kwargs)
     if fast.container is None:
         return wrap(out, fast.outputs[0])
+    if fast.container is _IN_PLACE:
+        return args[0]
     return fast.container([wrap(o, meta) for o, meta in zip(out, fast.outputs, strict=True)])
 
 

@@ -88,14 +88,44 @@ def meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Meta:
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
+# NOTE [logical strides]
+# A global tensor's strides describe its logical tensor laid out in its local piece's
+# memory order: contiguous for a contiguous piece, transposed for a transposed one
+# (``W.t()``). Nothing reads memory through them (every op runs on the pieces); autograd
+# does read them to pick a gradient's memory layout: ``mm``'s backward gives the weight of
+# ``x @ W.t()`` a gradient laid out like ``W`` only when ``W.t()`` says it is transposed.
+# A gradient laid out unlike its parameter costs a transposing copy into every bucket.
+def _strides_in_memory_order(local: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape`` with its dimensions ordered as ``local``'s are in
+    memory, for a dense piece; contiguous strides when the piece is not dense (expanded,
+    overlapping or strided)."""
+    local_strides, local_shape = local.stride(), local.shape
+    order = sorted(range(len(shape)), key=lambda d: -local_strides[d])
+    expected = 1
+    for d in reversed(order):  # dense: each stride is the product of the sizes inside it
+        if local_shape[d] != 1 and local_strides[d] != expected:
+            return _contiguous_strides(shape)
+        expected *= local_shape[d]
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(strides)
+
+
 def wrap(
     local: torch.Tensor, meta: Meta, requires_grad: bool = False, cls: type | None = None
 ) -> GlobalTensor:
     """``GlobalTensor(local, meta.layout, meta.shape)`` from interned metadata (the fast path)."""
+    strides = (
+        meta.strides
+        if local.is_contiguous() or len(meta.shape) != local.dim()
+        else _strides_in_memory_order(local, meta.shape)
+    )
     self: GlobalTensor = _make_wrapper_subclass(
         cls or GlobalTensor,
         meta.shape,
-        strides=meta.strides,
+        strides=strides,
         dtype=local.dtype,
         device=local.device,
         layout=local.layout,

@@ -145,6 +145,8 @@ def exchange(mine: RankMeta, what: str, compare_shapes: bool) -> Gathered:
             mine.dtype, mine.shape[:MAX_DIMS], mine.placement, mine.sbp, mine.in_placement,
         )  # fmt: skip
     if get_world_size() == 1:
+        if mine.error:
+            raise ValueError(f"{what} failed on 1 of 1 ranks:\n  rank 0: {mine.error}")
         return Gathered([mine.shape])
     site, call_hash = _enter(what)
     encoded = mine.encoded()

@@ -313,7 +313,8 @@ def _validate_local_args(
     outside = [r for r in placement.flat_ranks if r >= world_size]
     if outside:
         return (
-            f"{placement} names rank(s) {outside} but the world has {world_size} ranks "
+            f"{placement} names rank(s) {outside} but the world has {world_size} "
+            f"rank{'s' if world_size != 1 else ''} "
             f"(0..{world_size - 1}); use ranks that exist or launch more processes.",
             (),
         )

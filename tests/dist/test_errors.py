@@ -180,6 +180,9 @@ MISTAKES: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
 
 
 def run_mistake(name: str) -> None:
+    if name in MISTAKES_ONE_RANK:
+        MISTAKES_ONE_RANK[name]()
+        return
     MISTAKES[name][0]()
 
 
@@ -262,3 +265,18 @@ def test_a_rank_skipping_to_global_times_out_with_the_op_named(
             assert isinstance(error, CollectiveError), error
         assert re.search(op, str(error)), str(error)
         assert "timed out after the collective timeout (3 s)" in str(error)
+
+
+@pytest.mark.parametrize("dist_pool", [1], indirect=True)
+def test_one_process_names_the_ranks_it_lacks(dist_pool: DistributedPool) -> None:
+    """A placement of two ranks in a world of one (a script started without the launcher):
+    a ValueError naming the missing rank, not an IndexError from inside the shape check."""
+    outcomes = dist_pool.run_expect_errors(run_mistake, "two ranks in a world of one", timeout=WITHIN_S)
+    outcomes.assert_all_raised(ValueError, match=r"names rank\(s\) \[1\] but the world has 1 rank")
+
+
+def _two_ranks_in_a_world_of_one() -> None:
+    torch.nn.Linear(2, 2).to_global(sbpflow.placement("cpu", [0, 1]), broadcast)
+
+
+MISTAKES_ONE_RANK = {"two ranks in a world of one": _two_ranks_in_a_world_of_one}
