@@ -122,6 +122,9 @@ class _Decision:
     # return None where the meta kernel returns a tensor (masked outputs of
     # *_backward ops), so outputs are matched by position, not by count.
     output_positions: tuple[int, ...]
+    # The outputs' logical strides, from the meta kernel (NOTE [logical strides]); None:
+    # contiguous.
+    output_strides: tuple[tuple[int, ...] | None, ...]
 
 
 # Distinct (op, layouts, shapes, arguments) calls; a model's step makes hundreds to a few thousand.
@@ -268,8 +271,14 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
     if decision.output_positions != tuple(range(len(outs))):
         return  # outputs the meta kernel gave and this one did not (masked backward outputs)
     metas = tuple(
-        meta_of(layout, tuple(m.shape), o.dtype)
-        for o, layout, m in zip(outs, decision.output_layouts, decision.output_metas, strict=True)
+        meta_of(layout, tuple(m.shape), o.dtype, strides)
+        for o, layout, m, strides in zip(
+            outs,
+            decision.output_layouts,
+            decision.output_metas,
+            decision.output_strides,
+            strict=True,
+        )
     )
     op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
     _fast[key] = _Fast(op, metas, container, registered.local, ctx)
@@ -362,7 +371,7 @@ def _cache_key(func: Any, args: tuple, kwargs: dict, exact_floats: bool) -> Any:
 
 def _key_part(a: Any, exact_floats: bool) -> Any:
     if isinstance(a, GlobalTensor):
-        return (a._layout, tuple(a.shape), a.dtype)
+        return (a._layout, tuple(a.shape), a.dtype, a.stride())
     if isinstance(a, torch.Tensor):
         return ("t", tuple(a.shape), a.dtype)
     if type(a) is float and not exact_floats:
@@ -374,8 +383,8 @@ def _key_part(a: Any, exact_floats: bool) -> Any:
 
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        if isinstance(a, GlobalTensor):
-            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, GlobalTensor):  # its logical strides (NOTE [logical strides])
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         return a.to("meta")
     if isinstance(a, torch.device):  # e.g. _to_copy(..., device=cpu): stay on meta
         return torch.device("meta")
@@ -403,6 +412,7 @@ def _decide(
     output_metas = tuple(
         TensorMeta(tuple(out_flat[i].shape), out_flat[i].dtype) for i in output_positions
     )
+    output_strides = tuple(tuple(out_flat[i].stride()) for i in output_positions)
     info_flat = list(flat)
     inputs = []
     for i in positions:
@@ -451,7 +461,8 @@ def _decide(
     read_floats = any(type(a) is FloatArg and a.read for a in (*info_args, *info_kwargs.values()))
     if best is None:
         return None, read_floats
-    return _Decision(best[1], best[2], output_metas, output_positions), read_floats
+    decision = _Decision(best[1], best[2], output_metas, output_positions, output_strides)
+    return decision, read_floats
 
 
 def _mixes_partials(layout: Layout) -> bool:
@@ -515,8 +526,10 @@ def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: s
                 wrapped.append(by_local[id(o)])
             else:
                 k = index_of[position]
+                meta = decision.output_metas[k]
+                strides = decision.output_strides[k]
                 wrapped.append(
-                    GlobalTensor(o, decision.output_layouts[k], decision.output_metas[k].shape)
+                    wrap(o, meta_of(decision.output_layouts[k], meta.shape, o.dtype, strides))
                 )
         else:
             wrapped.append(o)
@@ -534,7 +547,9 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     stage's ops this way on every rank.
     """
     _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
-    metas = iter(zip(decision.output_layouts, decision.output_metas, strict=True))
+    metas = iter(
+        zip(decision.output_layouts, decision.output_metas, decision.output_strides, strict=True)
+    )
     device = (
         device_for(decision.output_layouts[0].placement.type) if decision.output_layouts else None
     )
@@ -552,9 +567,9 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     wrapped = []
     for is_tensor, o in zip(structure[1], out_flat, strict=True):
         if is_tensor:
-            layout, meta = next(metas)
+            layout, meta, strides = next(metas)
             local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-            wrapped.append(GlobalTensor(local, layout, meta.shape))
+            wrapped.append(wrap(local, meta_of(layout, meta.shape, meta.dtype, strides)))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, structure[0])
@@ -609,7 +624,8 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         meta_flat = tree_flatten(meta_out)[0]
         positions = tuple(i for i, o in enumerate(meta_flat) if isinstance(o, torch.Tensor))
         metas = tuple(TensorMeta(tuple(meta_flat[i].shape), meta_flat[i].dtype) for i in positions)
-        decision = _Decision((), tuple(full for _ in metas), metas, positions)
+        contiguous = tuple(None for _ in metas)  # as the ranks inside wrap fallback outputs
+        decision = _Decision((), tuple(full for _ in metas), metas, positions, contiguous)
         return _wrap_outputs_outside(func, decision, args, kwargs)
     if _rng.draws(func, args, kwargs):  # NOTE [logical random state]: the same draw everywhere
         device = next(t.device for t in tree_flatten(local_args)[0] if isinstance(t, torch.Tensor))

@@ -55,8 +55,20 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# NOTE [logical strides]
+# A global tensor's strides are those of its logical tensor: the strides the op's
+# meta kernel gives its output from the inputs' logical strides (``W.t()`` is
+# transposed, ``x.expand(...)`` has zero strides, ``mm`` is contiguous), as DTensor's
+# are. They are the same on every rank whatever each rank's piece looks like (a
+# piece of one row is contiguous either way), so torch code that branches on
+# strides takes the same branch everywhere and the ranks run the same ops. Nothing
+# reads memory through them (every op runs on the pieces). Autograd reads them to
+# pick a gradient's layout: ``mm``'s backward gives the weight of ``x @ W.t()`` a
+# gradient laid out like ``W`` only when ``W.t()`` says it is transposed, and a
+# gradient laid out unlike its parameter costs a transposing copy into every bucket.
 class Meta:
-    """A global tensor's (layout, logical shape, dtype), interned: one object per value.
+    """A global tensor's (layout, logical shape, dtype, logical strides), interned: one
+    object per value.
 
     Compared and hashed by identity, so the dispatch fast path builds and looks
     up its cache key without hashing layouts.
@@ -64,68 +76,53 @@ class Meta:
 
     __slots__ = ("dtype", "layout", "shape", "strides")
 
-    def __init__(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        strides: tuple[int, ...] | None = None,
+    ) -> None:
         self.layout, self.shape, self.dtype = layout, shape, dtype
-        self.strides = _contiguous_strides(shape)
+        self.strides = _contiguous_strides(shape) if strides is None else strides
 
     def __reduce__(self) -> Any:  # pickling and deepcopy re-intern
-        return (meta_of, (self.layout, self.shape, self.dtype))
+        return (meta_of, (self.layout, self.shape, self.dtype, self.strides))
 
 
-# Distinct (layout, shape, dtype) values kept interned; a model with fixed shapes uses hundreds.
+# Distinct (layout, shape, dtype, strides) values kept interned; a model with fixed shapes
+# uses hundreds.
 METAS_BOUND = 4096
 _metas: BoundedDict[tuple[Any, ...], Meta] = BoundedDict("interned metas", METAS_BOUND)
 
 
-def meta_of(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Meta:
-    key = (layout, shape, dtype)
+def meta_of(
+    layout: Layout,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    strides: tuple[int, ...] | None = None,
+) -> Meta:
+    """The interned metadata; ``strides`` default to contiguous (NOTE [logical strides])."""
+    if strides is not None and strides == _contiguous_strides(shape):
+        strides = None
+    key = (layout, shape, dtype) if strides is None else (layout, shape, dtype, strides)
     meta = _metas.get(key)
     if meta is None:
-        meta = _metas[key] = Meta(layout, shape, dtype)
+        meta = _metas[key] = Meta(layout, shape, dtype, strides)
     return meta
 
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
-# NOTE [logical strides]
-# A global tensor's strides describe its logical tensor laid out in its local piece's
-# memory order: contiguous for a contiguous piece, transposed for a transposed one
-# (``W.t()``). Nothing reads memory through them (every op runs on the pieces); autograd
-# does read them to pick a gradient's memory layout: ``mm``'s backward gives the weight of
-# ``x @ W.t()`` a gradient laid out like ``W`` only when ``W.t()`` says it is transposed.
-# A gradient laid out unlike its parameter costs a transposing copy into every bucket.
-def _strides_in_memory_order(local: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Contiguous strides of ``shape`` with its dimensions ordered as ``local``'s are in
-    memory, for a dense piece; contiguous strides when the piece is not dense (expanded,
-    overlapping or strided)."""
-    local_strides, local_shape = local.stride(), local.shape
-    order = sorted(range(len(shape)), key=lambda d: -local_strides[d])
-    expected = 1
-    for d in reversed(order):  # dense: each stride is the product of the sizes inside it
-        if local_shape[d] != 1 and local_strides[d] != expected:
-            return _contiguous_strides(shape)
-        expected *= local_shape[d]
-    strides, acc = [0] * len(shape), 1
-    for d in reversed(order):
-        strides[d] = acc
-        acc *= max(shape[d], 1)
-    return tuple(strides)
-
-
 def wrap(
     local: torch.Tensor, meta: Meta, requires_grad: bool = False, cls: type | None = None
 ) -> GlobalTensor:
     """``GlobalTensor(local, meta.layout, meta.shape)`` from interned metadata (the fast path)."""
-    strides = (
-        meta.strides
-        if local.is_contiguous() or len(meta.shape) != local.dim()
-        else _strides_in_memory_order(local, meta.shape)
-    )
     self: GlobalTensor = _make_wrapper_subclass(
         cls or GlobalTensor,
         meta.shape,
-        strides=strides,
+        strides=meta.strides,
         dtype=local.dtype,
         device=local.device,
         layout=local.layout,
@@ -208,7 +205,12 @@ class GlobalTensor(torch.Tensor):
     ) -> GlobalTensor:
         layout, shape, dtype = ctx
         local = inner["_local"]
-        return wrap(local, meta_of(layout, shape, dtype), local.requires_grad)
+        # The strides the trace gave this tensor (NOTE [logical strides]); symbolic ones
+        # (dynamic shapes) fall back to contiguous.
+        strides = tuple(outer_stride) if outer_stride is not None else None
+        if strides is not None and not all(type(s) is int for s in strides):
+            strides = None
+        return wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches: metadata and this rank.

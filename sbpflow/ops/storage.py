@@ -144,8 +144,8 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 def _take_over(x: Any, y: Any) -> None:
     """Global ``x`` becomes ``y`` (same number of elements): piece, layout, logical shape."""
     x._local, x._meta = y._local, y._meta
-    shape = list(y.shape)
-    _set_wrapper_meta(x, lambda w: aten.as_strided_.default(w, shape, _contiguous_strides(shape)))
+    shape, strides = list(y.shape), list(y._meta.strides)  # NOTE [logical strides]
+    _set_wrapper_meta(x, lambda w: aten.as_strided_.default(w, shape, strides))
 
 
 @register_decomposition(*_OUT_OF_PLACE)

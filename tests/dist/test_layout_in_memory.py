@@ -1,9 +1,9 @@
 """Strides and in-place ops of global tensors, against single-process torch.
 
-A global tensor's strides follow its piece's memory order (NOTE [logical
-strides] in sbpflow/_global.py): ``x.t()`` says it is transposed, as a plain
-tensor does, so ``x.t().contiguous()`` really copies and a linear weight's
-gradient comes out of backward laid out like the weight. Repeated in-place ops
+A global tensor's strides are its logical tensor's (NOTE [logical strides] in
+sbpflow/_global.py), the same on every rank: ``x.t()`` says it is transposed, as
+a plain tensor does, so ``x.t().contiguous()`` really copies and a linear
+weight's gradient comes out of backward laid out like the weight. Repeated in-place ops
 take the dispatcher's fast path (NOTE [in-place fast path]): their values, the
 object returned and the version counter must be plain torch's, and writes into
 a view holding a copy must still be refused there.
@@ -11,6 +11,7 @@ a view holding a copy must still be refused there.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -26,19 +27,44 @@ from ._ops_support import S0, S1, B, P, logical, make, placement, sbp_name
 def strides_job(ranks: Any) -> list[tuple[str, str, Any, Any]]:
     """Worker: (what, layout, got, want) pairs to compare."""
     pl = placement(ranks)
-    value = torch.arange(4.0 * len(ranks) * 6).reshape(4 * len(ranks), 6)
+    even = torch.arange(4.0 * len(ranks) * 6).reshape(4 * len(ranks), 6)
+    uneven = torch.arange(24.0).reshape(3, 8)  # some pieces one row (contiguous either way)
     out = []
-    for s in (B, S0, S1, P):
+    for value, s in itertools.product((even, uneven), (B, S0, S1, P)):
         x = make(value, pl, s, 1)
-        name = sbp_name(s)
+        name = f"{sbp_name(s)} of {list(value.shape)}"
         out.append(("x.t().stride()", name, x.t().stride(), value.t().stride()))
         out.append(("x.stride()", name, x.stride(), value.stride()))
         y = x.t().contiguous()
-        out.append(("x.t().contiguous().stride()", name, y.stride(), value.t().contiguous().stride()))
+        out.append(
+            ("x.t().contiguous().stride()", name, y.stride(), value.t().contiguous().stride())
+        )
         out.append(("its piece is contiguous", name, y.to_local().is_contiguous(), True))
         out.append(("its value", name, torch.equal(logical(y), value.t()), True))
         z = x.permute(1, 0).reshape(-1)
-        out.append(("x.permute(1, 0).reshape(-1)", name, torch.equal(logical(z), value.t().reshape(-1)), True))
+        out.append(
+            (
+                "x.permute(1, 0).reshape(-1)",
+                name,
+                torch.equal(logical(z), value.t().reshape(-1)),
+                True,
+            )
+        )
+    # A linear layer with its weight split unevenly (pieces of 2 rows and 1 row), whose
+    # backward branches on the strides of W.t(): the same branch on every rank, right values.
+    torch.manual_seed(1)
+    h_value, w_value, b_value, g_value = (
+        torch.randn(8, 8), torch.randn(3, 8), torch.randn(3), torch.randn(8, 3),
+    )  # fmt: skip
+    h, w, b = (
+        make(v, pl, s).requires_grad_() for v, s in ((h_value, S1), (w_value, S0), (b_value, S0))
+    )
+    torch.nn.functional.linear(h, w, b).backward(make(g_value, pl, S0))
+    plain = [v.clone().requires_grad_() for v in (h_value, w_value, b_value)]
+    torch.nn.functional.linear(*plain).backward(g_value)
+    for what, got, want in zip(("h", "W", "b"), (h, w, b), plain, strict=True):
+        close = torch.allclose(logical(got.grad), want.grad, atol=1e-5)
+        out.append((f"uneven linear: {what}.grad value", "", close, True))
     # global data parallelism: the weight's gradient is laid out like the weight, as in torch
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -54,14 +80,17 @@ def strides_job(ranks: Any) -> list[tuple[str, str, Any, Any]]:
         grad = p.grad.to_global(sbp=B)
         out.append((f"{name}.grad stride", sbp_name(p.grad.sbp[0]), p.grad.stride(), p.stride()))
         out.append((f"{name}.grad piece contiguous", "", p.grad.to_local().is_contiguous(), True))
-        out.append((f"{name}.grad value", "", torch.allclose(grad.to_local(), want, atol=1e-6), True))
+        out.append(
+            (f"{name}.grad value", "", torch.allclose(grad.to_local(), want, atol=1e-6), True)
+        )
     return out
 
 
-@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_strides_follow_the_pieces_memory_order(dist_pool: DistributedPool) -> None:
     results = dist_pool.run(strides_job, list(range(dist_pool.world_size)))
     for rank, per_rank in enumerate(results):
+        assert per_rank == results[0], f"rank {rank} and rank 0 disagree"
         for what, sbp, got, want in per_rank:
             assert got == want, f"rank {rank}: {what} on {sbp}: got {got}, plain torch {want}"
 
@@ -96,7 +125,14 @@ def in_place_job(ranks: Any) -> list[tuple[str, str, Any, Any]]:
         refused = "no error"
     except ValueError as error:
         refused = str(error)
-    out.append(("a write into a copied view", "S(1)", "to_global(sbp=sbpflow.sbp.broadcast)" in refused, True))
+    out.append(
+        (
+            "a write into a copied view",
+            "S(1)",
+            "to_global(sbp=sbpflow.sbp.broadcast)" in refused,
+            True,
+        )
+    )
     out.append(("the base is unchanged", "S(1)", torch.equal(logical(x), value), True))
     return out
 
