@@ -101,7 +101,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @special(aten.detach.default, aten.alias.default)
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
-    return GlobalTensor(func(x._local), x._layout, x.shape)
+    return wrap(func(x._local), x._meta)  # the same layout, shape, dtype and strides
 
 
 @special(aten._local_scalar_dense.default, aten.item.default)
