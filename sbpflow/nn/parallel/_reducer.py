@@ -225,7 +225,7 @@ class GradientSync:
             # divided already, so the second must be too (its add is into the view).
             divisor = self._where[id(m.param)][0].divisor
             if m.filled and not m.divide_at_launch and divisor != 1:
-                return grad / divisor
+                return grad * (1.0 / divisor)
             return None
         current = m.param.grad
         if (
@@ -330,7 +330,7 @@ class GradientSync:
                 _fill(bucket, m, piece)
         for m in bucket.members:
             if m.divide_at_launch:
-                m.view.div_(bucket.divisor)  # type: ignore[union-attr]
+                m.view.mul_(1.0 / bucket.divisor)  # type: ignore[union-attr]
         flags = [1.0 if m.has_grad else 0.0 for m in bucket.members]
         flat[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.dtype))
         rank = self._rank
@@ -414,7 +414,8 @@ def _fill(bucket: _Bucket, m: Member, piece: torch.Tensor) -> None:
         if not m.filled:
             m.divide_at_launch = bucket.divisor != 1
     elif bucket.divisor != 1:
-        torch.div(piece, bucket.divisor, out=view)
+        # times the reciprocal, as torch DDP averages (a multiply is cheaper than a divide)
+        torch.mul(piece, 1.0 / bucket.divisor, out=view)
     else:
         view.copy_(piece)
     m.filled = m.has_grad = True
