@@ -23,7 +23,8 @@
 # (P, or S which becomes P locally) are reduced; a gradient that is B on such
 # an axis is boxed B -> P (zeros off the axis' first rank) so the sum is right.
 # Averaging (DistributedDataParallel) divides each gradient by the number of
-# replicas as it is copied in, so no pass over the buffer is added.
+# replicas as it is copied in (times the reciprocal, as torch DDP does, so the values
+# are torch DDP's), so no pass over the buffer is added.
 #
 # Unused parameters: a gradient that is None on every rank of the group stays
 # None (the optimizer skips it, as with torch DDP's find_unused_parameters).
