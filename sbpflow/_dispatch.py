@@ -291,11 +291,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
 # the op runs on the pieces and the global tensor itself is returned. Writes into a view
 # that holds a copy are still refused (NOTE [view writes]); in-place view ops (``t_``,
 # ``squeeze_``), which change the tensor's metadata, never take it.
-class _InPlace:
-    pass
-
-
-_IN_PLACE: Any = _InPlace
+_IN_PLACE: Any = object()
 
 
 def _writes_first_argument_only(

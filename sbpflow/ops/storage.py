@@ -25,8 +25,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,10 +134,6 @@ def _set_wrapper_meta(x: torch.Tensor, change: Callable[[torch.Tensor], Any]) ->
             change(x)
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    return [math.prod(shape[d + 1 :]) or 1 for d in range(len(shape))]
 
 
 def _take_over(x: Any, y: Any) -> None:
