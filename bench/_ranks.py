@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 import sbpflow
 
@@ -20,3 +21,13 @@ def join_world(rank: int, world: int, port: int) -> None:
     )
     torch.set_num_threads(1)
     sbpflow.env.ensure_initialized()
+
+
+def slowest_rank_times(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each sample replaced by the slowest rank's (every rank passes the same names and counts)."""
+    out = {}
+    for name, samples in times.items():
+        slowest = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[name] = slowest.tolist()
+    return out

@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import join_world, slowest_rank_times  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._layout import Layout  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -262,22 +263,13 @@ def _time_case(ops: dict[str, Any], reps: int, warmup: int) -> dict[str, list[fl
             del out
             if rep >= warmup:
                 times[name].append(elapsed)
-    # time of an op = the slowest rank's time
-    for name in names:
-        t = torch.tensor(times[name], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[name] = t.tolist()
-    return times
+    return slowest_rank_times(times)  # time of an op = the slowest rank's time
 
 
 def _worker(rank: int, world: int, port: int, config: dict[str, Any], result_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
     warnings.filterwarnings("ignore", category=FutureWarning)  # reduce_scatter_tensor's rename
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # "alltoall falls back"
-    torch.set_num_threads(1)  # one core per rank at most: 2 cores, 2-4 ranks
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_world(rank, world, port)  # one thread per rank at most: 2 cores, 2-4 ranks
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh_1d = DeviceMesh("cpu", list(range(world)))

@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import join_world, slowest_rank_times  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -221,22 +222,13 @@ def _time(timed: Timed, reps: int, warmup: int, inner: int) -> dict[str, dict[st
                 elapsed = (time.perf_counter() - start) / inner
                 if rep >= warmup:
                     out[op][name].append(elapsed)
-    for op in out:
-        for name in IMPLS:
-            t = torch.tensor(out[op][name], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out[op][name] = t.tolist()
-    return out
+    return {op: slowest_rank_times(by_impl) for op, by_impl in out.items()}
 
 
 def _worker(rank: int, port: int, config: dict[str, Any], result_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD)
-    )
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    torch.set_num_threads(1)  # one core per rank: 2 cores, 2 ranks
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_world(rank, WORLD, port)  # one thread per rank: 2 cores, 2 ranks
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh("cpu", list(range(WORLD)))

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import slowest_rank_times  # noqa: E402
 from bench._report import machine  # noqa: E402
 from sbpflow import _meta_check  # noqa: E402
 from sbpflow.comm import _errors  # noqa: E402
@@ -106,12 +107,7 @@ def _time_calls(calls: dict[str, Callable[[], Any]], num: int, warmup: int) -> d
                 call()
                 if i >= warmup:
                     mine[name].append(time.perf_counter() - start)
-    times = {}
-    for name, ts in mine.items():
-        slowest = torch.tensor(ts[:num], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times[name] = slowest.tolist()
-    return times
+    return slowest_rank_times({name: ts[:num] for name, ts in mine.items()})
 
 
 def measure(config: dict[str, Any]) -> dict[str, list[float]]:
