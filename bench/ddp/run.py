@@ -3,8 +3,9 @@
 One run spawns 2 gloo ranks on this machine; each trains the same MLP (~10M parameters,
 fp32) one SGD step at a time (zero_grad, forward, MSE loss, backward, optimizer.step) with
 
-- torch DDP: ``torch.nn.parallel.DistributedDataParallel`` with its defaults
-  (bucket_cap_mb=25, gradient_as_bucket_view=False): the baseline of the ratios;
+- torch DDP: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)``, otherwise
+  its defaults (gradient_as_bucket_view=False): the baseline of the ratios. A cap given
+  applies to every bucket, the first one included (both libraries' rule);
 - torch DDP, bucket view: the same with ``gradient_as_bucket_view=True``, for reference;
 - sbpflow DDP: ``sbpflow.nn.parallel.DistributedDataParallel`` (bucket_cap_mb=25);
 - sbpflow global DP: the model ``to_global(placement, broadcast)`` with

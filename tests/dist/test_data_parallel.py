@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import sbpflow
 from sbpflow.comm import collectives
@@ -446,6 +447,54 @@ def test_bucket_launches_overlap_backward() -> None:
             assert events[grads[-1]].startswith("grad layers.0."), (kind, events)
             # every bucket but the first layer's last one is launched before the last gradient
             assert sum(i < grads[-1] for i in launches) >= 6, (kind, events)
+
+
+def _torch_ddp_buckets(module: nn.Module, bucket_cap_mb: float | None) -> list[list[str]]:
+    """The parameter names of each bucket torch DDP reduces once it has rebuilt its buckets
+    (after the first backward), in the order its comm hook sees them."""
+    ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    names = {id(p): n for n, p in module.named_parameters()}
+    seen: list[list[str]] = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # torch reads the annotations
+        seen.append(sorted(names[id(p)] for p in bucket.parameters()))
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(2, 512)
+    for _ in range(2):
+        seen.clear()
+        ddp(x).sum().backward()
+    return seen
+
+
+def bucket_sizes_job() -> dict[str, list[list[list[str]]]]:
+    """sbpflow's buckets next to torch DDP's, for the default and two given caps."""
+    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    out = {}
+    for cap in (None, 25, 1.5):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)])  # 1 MiB weights
+        ours = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap).buckets
+        synced = sync_gradients(copy.deepcopy(model).to_global(placement, B), bucket_cap_mb=cap)
+        out[str(cap)] = [
+            [sorted(b) for b in ours],
+            [sorted(b) for b in synced.buckets],
+            _torch_ddp_buckets(copy.deepcopy(model), cap),
+        ]
+    return out
+
+
+def test_bucket_sizes_follow_torch_ddp() -> None:
+    """Left at its default, bucket_cap_mb gives a 1 MiB first bucket; a cap given applies to
+    every bucket: the buckets are torch DDP's in both cases (checked against torch DDP)."""
+    for per_rank in get_pool(2).run(bucket_sizes_job):
+        for cap, (ddp, synced, torch_ddp) in per_rank.items():
+            assert ddp == synced == torch_ddp, (cap, ddp, synced, torch_ddp)
+        first, *_ = per_rank["None"][0]
+        assert first == ["2.bias", "2.weight"], per_rank["None"]  # 1 MiB and a bias
+        assert len(per_rank["25"][0]) == 1, per_rank["25"]  # 3 MiB: all in one bucket
+        assert len(per_rank["1.5"][0]) == 2, per_rank["1.5"]  # [2.*, 1.*], [0.*]
 
 
 class WithAttributes(nn.Module):

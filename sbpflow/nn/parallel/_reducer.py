@@ -80,8 +80,11 @@ from ._buckets import assign_buckets
 
 __all__ = ["GradientSync", "Member"]
 
-# The first bucket of each kind is small, so reduction starts early in backward
-# (torch DDP's first bucket is 1 MiB too: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+# With ``bucket_cap_mb`` left at its default, buckets hold 25 MB and the first bucket of
+# each kind 1 MiB, so reduction starts early in backward; a cap given explicitly applies to
+# every bucket. Both as torch DDP (its ``_DEFAULT_FIRST_BUCKET_BYTES`` is used only when
+# ``bucket_cap_mb`` is None).
+DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_BYTES = 1024 * 1024
 _SUM = Partial("sum")
 
@@ -146,17 +149,24 @@ class GradientSync:
     ones). ``average=True`` divides each sum by the number of ranks it ran over.
     """
 
-    def __init__(self, members: Sequence[Member], bucket_cap_mb: float, average: bool) -> None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+    def __init__(
+        self, members: Sequence[Member], bucket_cap_mb: float | None, average: bool
+    ) -> None:
+        if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+        ):
             raise TypeError(
-                f"bucket_cap_mb must be a number of megabytes, got {type(bucket_cap_mb).__name__}: "
-                f"{bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+                f"bucket_cap_mb must be a number of megabytes or None (the default, 25), got "
+                f"{type(bucket_cap_mb).__name__}: {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
             )
-        if not bucket_cap_mb > 0:
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(
                 f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
             )
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        is_default = bucket_cap_mb is None
+        self.bucket_cap_mb = (
+            DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        )
         self._enabled = True
         self._callback_queued = False
         self._next = 0  # the next bucket to launch
@@ -164,7 +174,7 @@ class GradientSync:
         ordered = list(reversed(members))  # NOTE [bucket order]
         entries = [(_bucket_key(m), m.local.numel() * m.local.element_size()) for m in ordered]
         cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
-        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES)
+        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES) if is_default else cap_bytes
         self._buckets = [
             _make_bucket([ordered[i] for i in indices], rank, average)
             for indices in assign_buckets(entries, cap_bytes, first_cap_bytes)

@@ -35,7 +35,8 @@ class DistributedDataParallel(torch.nn.Module):
       first rank again before each forward.
     - Gradients are averaged over the ranks in buckets of ``bucket_cap_mb`` MB launched
       during backward; all are done when ``backward()`` returns. A parameter no rank used
-      keeps ``.grad`` None.
+      keeps ``.grad`` None. Left at None, buckets hold 25 MB and the first one 1 MiB; a
+      number given applies to every bucket (torch DDP's rules).
     - ``no_sync()`` accumulates local gradients; the next backward outside it averages them.
     - Attributes not found on the wrapper are looked up on ``module`` (``ddp.lr``);
       ``ddp.module`` is the wrapped module.
@@ -47,7 +48,7 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | None = None,
         broadcast_buffers: bool = True,
         placement: Placement | None = None,
     ) -> None:

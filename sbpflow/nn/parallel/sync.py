@@ -17,7 +17,7 @@ from ._reducer import GradientSync, Member
 __all__ = ["GradientSync", "sync_gradients"]
 
 
-def sync_gradients(module: torch.nn.Module, bucket_cap_mb: float = 25) -> GradientSync:
+def sync_gradients(module: torch.nn.Module, bucket_cap_mb: float | None = None) -> GradientSync:
     """Reduce ``module``'s data-parallel gradients in buckets that overlap backward.
 
     Call it once, after the module's parameters have their final layouts
@@ -25,6 +25,10 @@ def sync_gradients(module: torch.nn.Module, bucket_cap_mb: float = 25) -> Gradie
     over the axes where its gradient arrives partial; the others keep the per-parameter
     path. Use the returned object's ``no_sync()`` for gradient accumulation, and its
     ``remove()`` to go back to per-parameter reduction. Every rank must call this.
+
+    ``bucket_cap_mb``: the size of a bucket in MB. Left at None (the default), buckets
+    hold 25 MB and the first one 1 MiB, so reduction starts early in backward; a number
+    given applies to every bucket. These are torch DDP's rules.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sync_gradients expects an nn.Module, got {type(module).__name__}.")
