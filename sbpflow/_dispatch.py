@@ -141,8 +141,12 @@ def _run_rule(
     placement = _common_placement(func, flat)
     _groups.ensure_placement_groups(placement, get_rank())
     full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
-    for i, a in enumerate(flat):  # plain tensors join as broadcast globals (scalars stay)
-        if type(a) is torch.Tensor and a.dim() > 0:
+    # Plain tensors join as broadcast globals (0-dim ones stay scalars). "Plain" is any
+    # tensor that is not global: a Parameter, and the fake or functional tensors a
+    # torch.compile trace holds, join exactly as a torch.Tensor does in eager (else the
+    # rule would not see them, and a trace could choose a layout eager would not).
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() > 0:
             if a.device.type != placement.type:  # NOTE [device moves]
                 raise ValueError(
                     f"{func} got a plain tensor on {a.device} with global tensors on {placement}; "

@@ -235,6 +235,49 @@ def _boxing_and_dropout() -> dict[str, Any]:
     return out
 
 
+def _padding_mask(padding: torch.Tensor) -> torch.Tensor:
+    """A causal mask anded with a padding mask, the way Hugging Face ``sdpa_mask`` builds it:
+    plain index tensors (made inside the function, so plain in a trace too) index the padding
+    mask, and a plain causal mask joins the result."""
+    batch, length = padding.shape
+    rows = torch.arange(batch)[:, None, None, None]
+    queries = torch.arange(length)[None, None, :, None]
+    keys = torch.arange(length)[None, None, None, :]
+    causal = keys <= queries  # plain (1, 1, L, L)
+    return (causal & padding[rows, keys]).expand(batch, -1, length, length)
+
+
+def _plain_tensors_join() -> dict[str, Any]:
+    """A plain tensor next to a global one joins as broadcast: under torch.compile (where it is
+    a fake tensor) as in eager, and as an nn.Parameter."""
+    torch._dynamo.reset()
+    pl = _world()
+    padding = torch.ones(8, 7, dtype=torch.bool)
+    padding[1, 5:] = padding[6, 6:] = False
+    g_padding = _global_batch(padding, pl, S0)
+    want = _padding_mask(padding)
+    eager = _padding_mask(g_padding)
+    compiled = torch.compile(_padding_mask, backend="aot_eager")(g_padding)
+    gen = torch.Generator().manual_seed(3)  # the same values on every rank
+    x = torch.randn(8, 1, 1, 7, generator=gen)
+    weight = nn.Parameter(torch.randn(1, 1, 7, 7, generator=gen))
+    with_parameter = _global_batch(x, pl, B) + weight
+    torch._dynamo.reset()
+    return {
+        name: {
+            "sbp": str(t.sbp),
+            "local_shape": tuple(t.to_local().shape),
+            "expected_local_shape": t._layout.local_shape(tuple(t.shape), sbpflow.env.get_rank()),
+            "error": (_logical(t).float() - ref.float()).abs().max().item(),
+        }
+        for name, t, ref in (
+            ("eager", eager, want),
+            ("compiled", compiled, want),
+            ("parameter", with_parameter, x + weight.detach()),
+        )
+    }
+
+
 def _world() -> sbpflow.Placement:
     return sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
 
@@ -318,6 +361,18 @@ def test_boxing_dropout_and_conversions_in_a_compiled_function() -> None:
         for name in ("implicit", "explicit", "dropout", "from_local"):
             assert max(got[name]["errors"]) < _TOL, got
         assert got["dropout"]["draws_differ"], got
+
+
+def test_plain_tensors_join_as_broadcast_in_compiled_functions_too() -> None:
+    """The causal-and-padding mask of Hugging Face's ``sdpa_mask``: compiled, a plain tensor
+    joins the global ones as broadcast, as in eager, so both choose the same layout; the
+    pieces match their layout and the values equal one process. A plain nn.Parameter next
+    to a global tensor joins the same way in eager."""
+    for got in get_pool(2).run(_plain_tensors_join):
+        assert got["compiled"]["sbp"] == got["eager"]["sbp"], got
+        for name, case in got.items():
+            assert case["local_shape"] == case["expected_local_shape"], (name, got)
+            assert case["error"] == 0, (name, got)
 
 
 def test_compiled_training_on_2x2_mesh() -> None:
