@@ -52,10 +52,28 @@ def _name(handle: dist.ProcessGroup) -> str:
     return handle.group_name
 
 
+# NOTE [bool buffers]
+# Inductor's C++ backend (torch 2.13) fails to generate vectorized code that reads a bool
+# buffer a collective wrote through computed indices: Hugging Face's padding mask,
+# gathered across the ranks and then indexed per position, stops GPT-2 and BERT with an
+# InductorError (and a bool <-> uint8 view gives a C++ compile error instead). Bool data
+# therefore travels as uint8 values, converted on each side; the values are 0 and 1 either
+# way, and the two conversions are tiny (masks).
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _like(out: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.bool) if original.dtype == torch.bool else out
+
+
 def all_gather(piece: torch.Tensor, handle: dist.ProcessGroup) -> torch.Tensor:
     """The members' ``piece`` (1-D, contiguous) one after another, in process-group order."""
     size = handle.size()
-    return _ops.wait_tensor(_ops.all_gather_into_tensor(piece, size, _name(handle)))
+    out = _ops.all_gather_into_tensor(_bytes_of(piece), size, _name(handle))
+    return _like(_ops.wait_tensor(out), piece)
 
 
 def all_reduce(tensor: torch.Tensor, handle: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
@@ -74,11 +92,14 @@ def all_to_all(
     send_numels: Sequence[int],
     handle: dist.ProcessGroup,
 ) -> torch.Tensor:
-    out = _ops.all_to_all_single(send, list(recv_numels), list(send_numels), _name(handle))
-    return _ops.wait_tensor(out)
+    out = _ops.all_to_all_single(
+        _bytes_of(send), list(recv_numels), list(send_numels), _name(handle)
+    )
+    return _like(_ops.wait_tensor(out), send)
 
 
 def broadcast(buffer: torch.Tensor, src_rank: int, handle: dist.ProcessGroup) -> torch.Tensor:
     """``src_rank``'s (a global rank) ``buffer`` on every member, as a new tensor."""
     src = dist.get_group_rank(handle, src_rank)
-    return _ops.wait_tensor(_ops.broadcast(buffer, src, _name(handle)))
+    out = _ops.broadcast(_bytes_of(buffer), src, _name(handle))
+    return _like(_ops.wait_tensor(out), buffer)

@@ -247,6 +247,12 @@ def _padding_mask(padding: torch.Tensor) -> torch.Tensor:
     return (causal & padding[rows, keys]).expand(batch, -1, length, length)
 
 
+def _masked_attention(scores: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities under that mask, as Hugging Face's eager attention adds it."""
+    allowed = _padding_mask(padding)
+    return torch.softmax(scores + torch.where(allowed, 0.0, torch.finfo(scores.dtype).min), -1)
+
+
 def _plain_tensors_join() -> dict[str, Any]:
     """A plain tensor next to a global one joins as broadcast: under torch.compile (where it is
     a fake tensor) as in eager, and as an nn.Parameter."""
@@ -259,6 +265,9 @@ def _plain_tensors_join() -> dict[str, Any]:
     eager = _padding_mask(g_padding)
     compiled = torch.compile(_padding_mask, backend="aot_eager")(g_padding)
     gen = torch.Generator().manual_seed(3)  # the same values on every rank
+    scores = torch.randn(8, 4, 7, 7, generator=gen)
+    # Inductor's C++ code generation once stopped here (NOTE [bool buffers]).
+    attention = torch.compile(_masked_attention)(_global_batch(scores, pl, S0), g_padding)
     x = torch.randn(8, 1, 1, 7, generator=gen)
     weight = nn.Parameter(torch.randn(1, 1, 7, 7, generator=gen))
     with_parameter = _global_batch(x, pl, B) + weight
@@ -274,6 +283,7 @@ def _plain_tensors_join() -> dict[str, Any]:
             ("eager", eager, want),
             ("compiled", compiled, want),
             ("parameter", with_parameter, x + weight.detach()),
+            ("inductor attention", attention, _masked_attention(scores, padding)),
         )
     }
 
@@ -366,13 +376,14 @@ def test_boxing_dropout_and_conversions_in_a_compiled_function() -> None:
 def test_plain_tensors_join_as_broadcast_in_compiled_functions_too() -> None:
     """The causal-and-padding mask of Hugging Face's ``sdpa_mask``: compiled, a plain tensor
     joins the global ones as broadcast, as in eager, so both choose the same layout; the
-    pieces match their layout and the values equal one process. A plain nn.Parameter next
-    to a global tensor joins the same way in eager."""
+    pieces match their layout and the values equal one process, also for attention under
+    that mask compiled by Inductor. A plain nn.Parameter next to a global tensor joins the
+    same way in eager."""
     for got in get_pool(2).run(_plain_tensors_join):
         assert got["compiled"]["sbp"] == got["eager"]["sbp"], got
         for name, case in got.items():
             assert case["local_shape"] == case["expected_local_shape"], (name, got)
-            assert case["error"] == 0, (name, got)
+            assert case["error"] < _TOL, (name, got)
 
 
 def test_compiled_training_on_2x2_mesh() -> None:

@@ -23,6 +23,11 @@ in the same test. Losses and parameters (and buffers) must agree within 1e-5,
 and the steps (forward, backward, ``optimizer.step``, ``zero_grad``) run inside
 ``sbpflow.boxing.trace()`` and must not fall back to broadcasting an op's inputs.
 
+The same training runs once more on 2 ranks with the loss function under
+``torch.compile`` (the ``aot_eager`` backend: Dynamo and AOTAutograd, where global
+tensors become local ones), against the same single-process reference.
+``tests/dist/test_compile.py`` runs their padding-mask attention through Inductor.
+
 Llama trains with AdamW. BERT and GPT-2 train with SGD with momentum: their
 attention key bias adds the same score to every key of a query, which softmax
 cancels, so its true gradient is 0 and the computed one is rounding noise whose
@@ -140,11 +145,20 @@ def _batch(family: str) -> dict[str, torch.Tensor]:
 # -- one training run ---------------------------------------------------------------
 
 
-def _train(family: str, placement: sbpflow.Placement) -> dict[str, Any]:
-    """Train the model data parallel and a plain copy on the whole batch, side by side."""
+def _train(family: str, placement: sbpflow.Placement, backend: str | None = None) -> dict[str, Any]:
+    """Train the model data parallel and a plain copy on the whole batch, side by side;
+    with a ``backend``, the data-parallel loss function under torch.compile."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     reference = _FAMILIES[family]().train()
+    if backend:  # the library logs a warning (a graph break) when no loss type is named
+        reference.loss_type = "ForMaskedLM" if family == "bert" else "ForCausalLM"
     model = copy.deepcopy(reference).to_global(placement, B)
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**batch).loss
+
+    step_loss = torch.compile(loss_of, backend=backend) if backend else loss_of
     batch = _batch(family)
     g_batch = {name: _shard(t, placement) for name, t in batch.items()}
     opt_ref = _OPTIMIZERS[family](reference.parameters())
@@ -156,7 +170,7 @@ def _train(family: str, placement: sbpflow.Placement) -> dict[str, Any]:
         opt_ref.step()
         opt_ref.zero_grad()
         with sbpflow.boxing.trace() as t:
-            got = model(**g_batch).loss
+            got = step_loss(g_batch)
             got.backward()
             opt.step()
             opt.zero_grad()
@@ -168,6 +182,7 @@ def _train(family: str, placement: sbpflow.Placement) -> dict[str, Any]:
         value, want_t = _logical(got_t).double(), want_state[name].double()
         if not torch.allclose(value, want_t, atol=_TOL, rtol=_TOL):
             errors[name] = (value - want_t).abs().max().item()
+    torch._dynamo.reset()
     return {"losses": losses, "errors": errors, "fallbacks": sorted(set(fallbacks))}
 
 
@@ -192,14 +207,16 @@ def train_families() -> list[tuple[str, dict[str, Any]]]:
     return [(family, _train(family, world)) for family in _FAMILIES]
 
 
+def train_families_compiled() -> list[tuple[str, dict[str, Any]]]:
+    """Worker: every family on the whole world, its loss function compiled."""
+    world = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    return [(family, _train(family, world, "aot_eager")) for family in _FAMILIES]
+
+
 # -- tests ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_transformers_models_train_data_parallel(world_size: int) -> None:
-    """Llama, BERT and GPT-2 with broadcast parameters and an S(0) token batch: 3 training
-    steps compare with single-process training on the whole batch, with no fallback."""
-    results = get_pool(world_size).run(train_families)
+def _check(results: list[Any], world_size: int) -> None:
     for rank, per_rank in enumerate(results):
         for family, got in per_rank:
             where = f"rank {rank}, {family} on {world_size} ranks"
@@ -209,3 +226,16 @@ def test_transformers_models_train_data_parallel(world_size: int) -> None:
                     f"{where}: step {step}, losses (global, reference) {got['losses']}"
                 )
             assert not got["errors"], f"{where}: parameters/buffers differ: {got['errors']}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_transformers_models_train_data_parallel(world_size: int) -> None:
+    """Llama, BERT and GPT-2 with broadcast parameters and an S(0) token batch: 3 training
+    steps compare with single-process training on the whole batch, with no fallback."""
+    _check(get_pool(world_size).run(train_families), world_size)
+
+
+def test_transformers_models_train_compiled() -> None:
+    """The same on 2 ranks with the loss function under torch.compile (aot_eager: where
+    global tensors become local ones): losses and parameters equal one process."""
+    _check(get_pool(2).run(train_families_compiled), 2)
