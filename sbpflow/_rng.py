@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ._compiling import compiling
+from ._global import GlobalTensor
 
 __all__ = [
     "draw_numel",
@@ -148,8 +149,6 @@ def draw_numel(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     A plain 0-dim tensor is skipped, as the dispatcher does when it promotes
     plain tensors to broadcast globals.
     """
-    from ._global import GlobalTensor
-
     for a in tree_flatten((list(args), kwargs))[0]:
         if isinstance(a, torch.Tensor) and (a.dim() > 0 or isinstance(a, GlobalTensor)):
             return math.prod(a.shape)

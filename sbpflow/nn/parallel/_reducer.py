@@ -152,18 +152,17 @@ class GradientSync:
     def __init__(
         self, members: Sequence[Member], bucket_cap_mb: float | None, average: bool
     ) -> None:
-        if bucket_cap_mb is not None and (
-            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-        ):
-            raise TypeError(
-                f"bucket_cap_mb must be a number of megabytes or None (the default, 25), got "
-                f"{type(bucket_cap_mb).__name__}: {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
-            )
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(
-                f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
-            )
-        is_default = bucket_cap_mb is None
+        if bucket_cap_mb is not None:
+            if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+                raise TypeError(
+                    f"bucket_cap_mb must be a number of megabytes or None (the default, 25), "
+                    f"got {type(bucket_cap_mb).__name__}: {bucket_cap_mb!r}; e.g. "
+                    "bucket_cap_mb=25."
+                )
+            if not bucket_cap_mb > 0:
+                raise ValueError(
+                    f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+                )
         self.bucket_cap_mb = (
             DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
         )
@@ -174,7 +173,8 @@ class GradientSync:
         ordered = list(reversed(members))  # NOTE [bucket order]
         entries = [(_bucket_key(m), m.local.numel() * m.local.element_size()) for m in ordered]
         cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
-        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES) if is_default else cap_bytes
+        # torch DDP's rule: a small first bucket only when no cap was given
+        first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES) if bucket_cap_mb is None else cap_bytes
         self._buckets = [
             _make_bucket([ordered[i] for i in indices], rank, average)
             for indices in assign_buckets(entries, cap_bytes, first_cap_bytes)
