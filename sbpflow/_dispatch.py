@@ -126,6 +126,11 @@ class _Decision:
     # contiguous.
     output_strides: tuple[tuple[int, ...] | None, ...]
 
+    def output_meta(self, k: int, dtype: torch.dtype) -> Meta:
+        """Tensor output ``k``'s interned metadata, with ``dtype`` (the piece's)."""
+        shape = self.output_metas[k].shape
+        return meta_of(self.output_layouts[k], shape, dtype, self.output_strides[k])
+
 
 # Distinct (op, layouts, shapes, arguments) calls; a model's step makes hundreds to a few thousand.
 DECISIONS_BOUND = 4096
@@ -274,16 +279,7 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
         return
     if decision.output_positions != tuple(range(len(outs))):
         return  # outputs the meta kernel gave and this one did not (masked backward outputs)
-    metas = tuple(
-        meta_of(layout, tuple(m.shape), o.dtype, strides)
-        for o, layout, m, strides in zip(
-            outs,
-            decision.output_layouts,
-            decision.output_metas,
-            decision.output_strides,
-            strict=True,
-        )
-    )
+    metas = tuple(decision.output_meta(k, o.dtype) for k, o in enumerate(outs))
     op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
     _fast[key] = _Fast(op, metas, container, registered.local, ctx)
 
@@ -525,12 +521,7 @@ def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: s
             if id(o) in by_local:
                 wrapped.append(by_local[id(o)])
             else:
-                k = index_of[position]
-                meta = decision.output_metas[k]
-                strides = decision.output_strides[k]
-                wrapped.append(
-                    wrap(o, meta_of(decision.output_layouts[k], meta.shape, o.dtype, strides))
-                )
+                wrapped.append(wrap(o, decision.output_meta(index_of[position], o.dtype)))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, out_spec)
@@ -547,9 +538,7 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     stage's ops this way on every rank.
     """
     _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
-    metas = iter(
-        zip(decision.output_layouts, decision.output_metas, decision.output_strides, strict=True)
-    )
+    tensor_outputs = iter(range(len(decision.output_metas)))
     device = (
         device_for(decision.output_layouts[0].placement.type) if decision.output_layouts else None
     )
@@ -567,9 +556,10 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
     wrapped = []
     for is_tensor, o in zip(structure[1], out_flat, strict=True):
         if is_tensor:
-            layout, meta, strides = next(metas)
+            k = next(tensor_outputs)
+            meta = decision.output_metas[k]
             local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-            wrapped.append(wrap(local, meta_of(layout, meta.shape, meta.dtype, strides)))
+            wrapped.append(wrap(local, decision.output_meta(k, meta.dtype)))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, structure[0])
