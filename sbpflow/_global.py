@@ -40,6 +40,7 @@ __all__ = [
     "Meta",
     "as_global_grad",
     "bind_dispatcher",
+    "drop_grad_layout_hook",
     "is_global",
     "keep_grad_layout",
     "meta_of",
@@ -103,12 +104,24 @@ def meta_of(
     strides: tuple[int, ...] | None = None,
 ) -> Meta:
     """The interned metadata; ``strides`` default to contiguous (NOTE [logical strides])."""
-    if strides is not None and strides == _contiguous_strides(shape):
-        strides = None
     key = (layout, shape, dtype) if strides is None else (layout, shape, dtype, strides)
     meta = _metas.get(key)
     if meta is None:
-        meta = _metas[key] = Meta(layout, shape, dtype, strides)
+        meta = _metas[key] = _intern(layout, shape, dtype, strides)
+    return meta
+
+
+def _intern(
+    layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, strides: tuple[int, ...] | None
+) -> Meta:
+    """A ``meta_of`` miss. Contiguous strides given explicitly are interned as ``None``, so
+    both keys lead to one object."""
+    if strides is None or strides != _contiguous_strides(shape):
+        return Meta(layout, shape, dtype, strides)
+    key = (layout, shape, dtype)
+    meta = _metas.get(key)
+    if meta is None:
+        meta = _metas[key] = Meta(layout, shape, dtype)
     return meta
 
 
@@ -206,11 +219,18 @@ class GlobalTensor(torch.Tensor):
         layout, shape, dtype = ctx
         local = inner["_local"]
         # The strides the trace gave this tensor (NOTE [logical strides]); symbolic ones
-        # (dynamic shapes) fall back to contiguous.
+        # (dynamic shapes) fall back to contiguous. A symbolic int is unhashable, so the
+        # look-up of the interned metadata (run on every compiled call) tells them apart.
         strides = tuple(outer_stride) if outer_stride is not None else None
-        if strides is not None and not all(type(s) is int for s in strides):
-            strides = None
-        return wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
+        try:
+            meta = _metas.get((layout, shape, dtype) if strides is None else (*ctx, strides))
+        except TypeError:
+            meta = None
+        if meta is None:
+            if strides is not None and not all(type(s) is int for s in strides):
+                strides = None
+            meta = meta_of(layout, shape, dtype, strides)
+        return wrap(local, meta, local.requires_grad)
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches: metadata and this rank.
@@ -356,15 +376,24 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     attrs = leaf.__dict__
 
     def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        if attrs.get("_grad_sync") is not None:
+            return None  # reduced in buckets by its GradientSync
         own: Layout = attrs["_meta"].layout
         if not isinstance(grad, GlobalTensor) or grad._layout == own:
             return None
-        if attrs.get("_grad_sync") is not None:
-            return None  # reduced in buckets by its GradientSync
         # The ranks agree by construction (the same backward on every rank): no meta check.
         return grad.to_global(own.placement, own.sbp, check_meta=False)
 
     leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
+
+
+def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
+    """Remove ``keep_grad_layout``'s hook from ``leaf`` (a ``GradientSync`` that reduces its
+    gradients drops it, so backward makes one Python call fewer per parameter, and calls
+    ``keep_grad_layout`` again when it stops)."""
+    handle = leaf.__dict__.pop("_grad_layout_hook", None)
+    if handle is not None:
+        handle.remove()
 
 
 def as_global_grad(grad: Any, where: str) -> GlobalTensor:

@@ -22,6 +22,8 @@ default backend (Inductor, C++ on CPU); the gradient reduction stays eager in
 all of them. The three frameworks compute the same loss (checked once before
 timing). Per-op host time is the step time divided by the number of ATen ops
 one plain eager step runs (forward and backward, counted with a dispatch mode).
+Host CPU is the CPU time of each rank's main thread per step: the host work of
+the step without the time spent waiting for the other rank.
 
 Usage (from the repository root)::
 
@@ -257,21 +259,28 @@ def _build(config: dict[str, Any], rank: int, mesh: Any) -> tuple[dict[str, Any]
     return steps, counter.count
 
 
-def _time(steps: dict[str, Any], reps: int, warmup: int, inner: int) -> dict[str, list[float]]:
-    """Seconds per step per repetition, the slower rank's, implementations interleaved."""
+def _time(
+    steps: dict[str, Any], reps: int, warmup: int, inner: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per step per repetition, the slower rank's, implementations interleaved; and
+    the CPU seconds the rank's main thread spent per step (its host work: Python, dispatch
+    and kernels, without the time it waited for the other rank), the larger rank's."""
     out: dict[str, list[float]] = {name: [] for name in IMPLS}
+    cpu: dict[str, list[float]] = {name: [] for name in IMPLS}
     for rep in range(warmup + reps):
         k = rep % len(IMPLS)
         for name in IMPLS[k:] + IMPLS[:k]:
             run = steps[name]
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for _ in range(inner):
                 run()
             elapsed = (time.perf_counter() - start) / inner
+            elapsed_cpu = (time.thread_time() - start_cpu) / inner
             if rep >= warmup:
                 out[name].append(elapsed)
-    return slowest_rank_times(out)
+                cpu[name].append(elapsed_cpu)
+    return slowest_rank_times(out), slowest_rank_times(cpu)
 
 
 def _worker(rank: int, port: int, config: dict[str, Any], result_path: str) -> None:
@@ -284,9 +293,10 @@ def _worker(rank: int, port: int, config: dict[str, Any], result_path: str) -> N
     start = time.perf_counter()
     steps, num_ops = _build(config, rank, mesh)
     build_s = time.perf_counter() - start
-    times = _time(steps, config["reps"], config["warmup"], config["inner"])
+    times, cpu = _time(steps, config["reps"], config["warmup"], config["inner"])
     if rank == 0:
-        Path(result_path).write_text(json.dumps({"times": times, "ops": num_ops, "build": build_s}))
+        result = {"times": times, "cpu": cpu, "ops": num_ops, "build": build_s}
+        Path(result_path).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -294,14 +304,18 @@ def _worker(rank: int, port: int, config: dict[str, Any], result_path: str) -> N
 # -- report ----------------------------------------------------------------------------
 
 
-def summarize(times: dict[str, list[float]], num_ops: int) -> dict[str, dict[str, float]]:
-    """Per implementation: step ms and per-op µs, min and median."""
+def summarize(
+    times: dict[str, list[float]], cpu: dict[str, list[float]], num_ops: int
+) -> dict[str, dict[str, float]]:
+    """Per implementation: step ms, per-op µs and host CPU ms per step, min and median."""
     return {
         name: {
             "min": min(ts) * 1e3,
             "med": statistics.median(ts) * 1e3,
             "op_min": min(ts) * 1e6 / num_ops,
             "op_med": statistics.median(ts) * 1e6 / num_ops,
+            "cpu_min": min(cpu[name]) * 1e3,
+            "cpu_med": statistics.median(cpu[name]) * 1e3,
         }
         for name, ts in times.items()
     }
@@ -315,6 +329,9 @@ def ratios(rows: dict[str, dict[str, float]]) -> dict[str, float]:
         "sbpflow compiled / plain compiled": med["sbpflow compiled"] / med["plain compiled"],
         "sbpflow compiled / plain compiled, global mean": (
             med["sbpflow compiled"] / med["plain compiled, global mean"]
+        ),
+        "sbpflow compiled / plain compiled, global mean: host CPU": (
+            rows["sbpflow compiled"]["cpu_med"] / rows["plain compiled, global mean"]["cpu_med"]
         ),
     }
 
@@ -331,17 +348,22 @@ def misses(r: dict[str, float]) -> list[str]:
 
 
 def render(rows: dict[str, dict[str, float]], r: dict[str, float]) -> str:
-    lines = ["| implementation | step ms | per-op host µs |", "|---|---|---|"]
+    lines = [
+        "| implementation | step ms | per-op host µs | host CPU ms per step |",
+        "|---|---|---|---|",
+    ]
     for name, row in rows.items():
         lines.append(
             f"| {name} | {row['min']:.2f} / {row['med']:.2f} "
-            f"| {row['op_min']:.1f} / {row['op_med']:.1f} |"
+            f"| {row['op_min']:.1f} / {row['op_med']:.1f} "
+            f"| {row['cpu_min']:.2f} / {row['cpu_med']:.2f} |"
         )
     lines += ["", "| ratio (medians) | measured | target |", "|---|---|---|"]
     targets = (
         f"<= {TARGET_VS_DTENSOR}",
         f">= {TARGET_SPEEDUP}",
         f"<= {TARGET_VS_PLAIN}",
+        "(like for like, no target)",
         "(like for like, no target)",
     )
     for (name, value), target in zip(r.items(), targets, strict=True):
@@ -393,7 +415,9 @@ def section(
             "Gradients and loss of sbpflow, DTensor and the plain global mean are checked against one process "
             "before timing. Compiled: `torch.compile` of model and loss, "
             "default backend (Inductor, C++). "
-            f"Per-op host time: step time / {num_ops}, the ATen ops of one plain eager step.",
+            f"Per-op host time: step time / {num_ops}, the ATen ops of one plain eager step. "
+            "Host CPU: the CPU time of each rank's main thread per step (Python, dispatch and "
+            "kernels; not the time it waits for the other rank), the larger rank's.",
             "",
             f"{config['reps']} samples of {config['inner']} steps per implementation after "
             f"{config['warmup']} warmup, interleaved, a barrier before each, the slower rank's "
@@ -444,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(_worker, args=(free_port(), config, path), nprocs=WORLD, join=True)
         result = json.loads(Path(path).read_text())
     load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
-    rows = summarize(result["times"], result["ops"])
+    rows = summarize(result["times"], result["cpu"], result["ops"])
     r = ratios(rows)
     print(render(rows, r))
     print(f"(build and compile: {result['build']:.0f} s; ATen ops per plain step: {result['ops']})")

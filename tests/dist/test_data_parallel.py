@@ -688,3 +688,50 @@ def test_gradient_accumulated_twice_before_its_launch() -> None:
     gradient of the whole batch computed in the job (the second gradient is divided too)."""
     for errors in get_pool(2).run(accumulated_twice_job):
         assert errors and max(errors.values()) < _TOL, errors
+
+
+def removed_sync_job() -> dict[str, Any]:
+    """Gradients of a global model while synced, after ``remove()`` and synced again."""
+    world, rank = sbpflow.env.get_world_size(), sbpflow.env.get_rank()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference).to_global(placement, B)
+    x, y = _micro_batches(0, 1)[0]
+    F.mse_loss(reference(x), y).backward()
+    gx, gy = (sbpflow.to_global(t, placement, S0) for t in (x, y))
+    out: dict[str, Any] = {}
+    sync = sync_gradients(model)
+    for phase in ("synced", "removed", "synced again"):
+        model.zero_grad()
+        events: list[str] = []
+        with _recording_launches(events):
+            F.mse_loss(model(gx), gy).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        out[phase] = {
+            "launches": len(events),
+            "names": sorted(grads),
+            "layouts": sorted({sbp_str(g.sbp) for g in grads.values()}),
+            "error": max(
+                (g.to_local() - reference.get_parameter(n).grad).abs().max().item()
+                for n, g in grads.items()
+            ),
+        }
+        if phase == "synced":
+            sync.remove()
+        elif phase == "removed":
+            sync = sync_gradients(model)
+    return out
+
+
+def test_removed_sync_gives_gradients_back_to_the_per_parameter_path() -> None:
+    """After ``GradientSync.remove()`` each gradient is reduced by its parameter's own hook
+    (no bucket launch), equal to one process's and broadcast; syncing again uses buckets."""
+    for result in get_pool(2).run(removed_sync_job):
+        assert result["synced"]["launches"] == 1, result
+        assert result["removed"]["launches"] == 0, result
+        assert result["synced again"]["launches"] == 1, result
+        for phase in result.values():
+            assert phase["names"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], result
+            assert phase["layouts"] == ["B"], result
+            assert phase["error"] < _TOL, result

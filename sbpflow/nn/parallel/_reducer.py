@@ -7,8 +7,8 @@
 # (``keep_grad_layout``'s hook in ``_global``), ``GradientSync``:
 #   1. fixes buckets before the first backward (NOTE [bucket order] in ``_buckets``)
 #      and gives each one flat buffer for good (NOTE [gradients are bucket views]);
-#   2. leaves each gradient as it arrives (``_grad_sync`` on the parameter turns
-#      ``keep_grad_layout``'s hook off) and, once AccumulateGrad has written it
+#   2. leaves each gradient as it arrives (it removes ``keep_grad_layout``'s hook
+#      and marks the parameter ``_grad_sync``) and, once AccumulateGrad has written it
 #      to ``.grad``, marks it ready and puts it in its place in the flat buffer
 #      (a post-accumulate-grad hook);
 #   3. as soon as a bucket's gradients are all ready, and every bucket before it
@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, Meta, meta_of, wrap
+from ..._global import GlobalTensor, Meta, drop_grad_layout_hook, keep_grad_layout, meta_of, wrap
 from ..._layout import Layout
 from ...boxing import tracing as _trace
 from ...comm import _groups, collectives
@@ -107,6 +107,7 @@ class Member:
     view: torch.Tensor | None = field(default=None, repr=False)  # its piece of the bucket
     reduced_grad: torch.Tensor | None = field(default=None, repr=False)  # .grad once reduced
     partial_meta: Meta | None = field(default=None, repr=False)  # P on the bucket's axes
+    partial_grad: torch.Tensor | None = field(default=None, repr=False)  # .grad once filled
     filled: bool = False  # this backward's piece is in ``view``
     has_grad: bool = False  # ... and it came from a gradient (not zeros)
     divide_at_launch: bool = False  # it was accumulated in ``view`` itself: divide it there
@@ -192,6 +193,7 @@ class GradientSync:
         for m in ordered:
             if m.is_global:
                 m.param._grad_sync = self  # type: ignore[attr-defined]
+                drop_grad_layout_hook(m.param)  # type: ignore[arg-type]
             if m.view is not None:
                 hook = functools.partial(self._before_accumulate, m)
                 self._handles.append(m.param.register_hook(hook))
@@ -224,6 +226,7 @@ class GradientSync:
             for m in bucket.members:
                 if getattr(m.param, "_grad_sync", None) is self:
                     del m.param._grad_sync  # type: ignore[attr-defined]
+                    keep_grad_layout(m.param)
 
     # -- during backward -------------------------------------------------------------
     def _before_accumulate(self, m: Member, grad: torch.Tensor) -> torch.Tensor | None:
@@ -306,8 +309,7 @@ class GradientSync:
         assert meta is not None
         if grad._meta is meta or (grad._layout == meta.layout and grad.shape == m.param.shape):
             _fill(bucket, m, grad._local)
-            assert m.view is not None
-            m.param.grad = wrap(m.view, meta)  # the gradient is freed now; nothing is divided
+            m.param.grad = m.partial_grad  # the gradient is freed now; nothing is divided
         # any other layout waits for the launch, which decides the axes to reduce
 
     def _finish(self) -> None:
@@ -342,8 +344,11 @@ class GradientSync:
         for m in bucket.members:
             if m.divide_at_launch:
                 m.view.mul_(1.0 / bucket.divisor)  # type: ignore[union-attr]
-        flags = [1.0 if m.has_grad else 0.0 for m in bucket.members]
-        flat[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.dtype))
+        if all(m.has_grad for m in bucket.members):
+            flat[bucket.numel :].fill_(1.0)
+        else:
+            flags = [1.0 if m.has_grad else 0.0 for m in bucket.members]
+            flat[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.dtype))
         rank = self._rank
         if not axes:  # every gradient is already broadcast: nothing to reduce
             bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
@@ -361,9 +366,9 @@ class GradientSync:
         if bucket.pending is None:
             return
         flat = bucket.pending.wait()
-        used = (flat[bucket.numel :] > 0).tolist()
-        for m, is_used in zip(bucket.members, used, strict=True):
-            if is_used:
+        flags = flat[bucket.numel :].tolist()
+        for m, flag in zip(bucket.members, flags, strict=True):
+            if flag > 0:
                 m.param.grad = m.reduced_grad
 
 
@@ -403,6 +408,7 @@ def _make_bucket(members: list[Member], rank: int, average: bool) -> _Bucket:
         shape, sbp = tuple(m.param.shape), m.layout.sbp
         partial = tuple(_SUM if a in bucket.axes else s for a, s in enumerate(sbp))
         m.partial_meta = meta_of(Layout(placement, partial), shape, local.dtype)
+        m.partial_grad = wrap(m.view, m.partial_meta)
         m.reduced_grad = wrap(m.view, meta_of(m.layout, shape, local.dtype))
     return bucket
 
