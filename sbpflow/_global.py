@@ -104,24 +104,25 @@ def meta_of(
     strides: tuple[int, ...] | None = None,
 ) -> Meta:
     """The interned metadata; ``strides`` default to contiguous (NOTE [logical strides])."""
-    key = (layout, shape, dtype) if strides is None else (layout, shape, dtype, strides)
-    meta = _metas.get(key)
+    if strides is None:
+        key: tuple[Any, ...] = (layout, shape, dtype)
+        meta = _metas.get(key)
+        if meta is None:
+            meta = _metas[key] = Meta(layout, shape, dtype)
+        return meta
+    key = (layout, shape, dtype, strides)
+    try:
+        meta = _metas.get(key)
+    except TypeError:  # symbolic strides (dynamic shapes) are unhashable
+        meta = None
+        key = ()
     if meta is None:
-        meta = _metas[key] = _intern(layout, shape, dtype, strides)
-    return meta
-
-
-def _intern(
-    layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, strides: tuple[int, ...] | None
-) -> Meta:
-    """A ``meta_of`` miss. Contiguous strides given explicitly are interned as ``None``, so
-    both keys lead to one object."""
-    if strides is None or strides != _contiguous_strides(shape):
-        return Meta(layout, shape, dtype, strides)
-    key = (layout, shape, dtype)
-    meta = _metas.get(key)
-    if meta is None:
-        meta = _metas[key] = Meta(layout, shape, dtype)
+        # Contiguous strides given explicitly are interned as None: both keys, one object.
+        meta = meta_of(layout, shape, dtype) if strides == _contiguous_strides(shape) else None
+        if meta is None:
+            meta = Meta(layout, shape, dtype, strides)
+        if key:
+            _metas[key] = meta
     return meta
 
 
