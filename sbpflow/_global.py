@@ -220,18 +220,11 @@ class GlobalTensor(torch.Tensor):
         layout, shape, dtype = ctx
         local = inner["_local"]
         # The strides the trace gave this tensor (NOTE [logical strides]); symbolic ones
-        # (dynamic shapes) fall back to contiguous. A symbolic int is unhashable, so the
-        # look-up of the interned metadata (run on every compiled call) tells them apart.
+        # (dynamic shapes) fall back to contiguous.
         strides = tuple(outer_stride) if outer_stride is not None else None
-        try:
-            meta = _metas.get((layout, shape, dtype) if strides is None else (*ctx, strides))
-        except TypeError:
-            meta = None
-        if meta is None:
-            if strides is not None and not all(type(s) is int for s in strides):
-                strides = None
-            meta = meta_of(layout, shape, dtype, strides)
-        return wrap(local, meta, local.requires_grad)
+        if strides is not None and not all(type(s) is int for s in strides):
+            strides = None
+        return wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches: metadata and this rank.
