@@ -113,17 +113,20 @@ def meta_of(
     key = (layout, shape, dtype, strides)
     try:
         meta = _metas.get(key)
-    except TypeError:  # symbolic strides (dynamic shapes) are unhashable
-        meta = None
-        key = ()
+    except TypeError:  # symbolic strides (dynamic shapes) are unhashable: not interned
+        return _strided_meta(layout, shape, dtype, strides)
     if meta is None:
-        # Contiguous strides given explicitly are interned as None: both keys, one object.
-        meta = meta_of(layout, shape, dtype) if strides == _contiguous_strides(shape) else None
-        if meta is None:
-            meta = Meta(layout, shape, dtype, strides)
-        if key:
-            _metas[key] = meta
+        meta = _metas[key] = _strided_meta(layout, shape, dtype, strides)
     return meta
+
+
+def _strided_meta(
+    layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, strides: tuple[int, ...]
+) -> Meta:
+    """Contiguous strides given explicitly are the value ``None`` stands for: one object."""
+    if strides == _contiguous_strides(shape):
+        return meta_of(layout, shape, dtype)
+    return Meta(layout, shape, dtype, strides)
 
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
