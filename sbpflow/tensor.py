@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _devices, _dispatch, _meta_check
+from . import _devices, _dispatch, _meta_check, _saving
 from ._bounded import BoundedDict
 from ._compiling import graph_break
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
@@ -368,6 +368,9 @@ for _name, _method in {
     "cuda": _devices.cuda_method,
     "__repr__": _repr,
     "__format__": global_format,
+    "__reduce_ex__": _saving.reduce_global,  # NOTE [torch.save of global tensors]
+    "__copy__": _saving.copy_global,
 }.items():
     setattr(GlobalTensor, _name, _method)
 bind_dispatcher(_dispatch.dispatch, box_below_autograd)
+_saving.install_torch_save_check()
