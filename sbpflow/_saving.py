@@ -99,7 +99,7 @@ class _Discard:
 def _pickles_or_raises(obj: Any, pickle_module: Any, protocol: int) -> None:
     """Pickle ``obj`` as ``torch.save`` does, into nothing; raise what that raises."""
 
-    class DryRun(pickle_module.Pickler):  # type: ignore[name-defined,misc]
+    class DryRun(pickle_module.Pickler):
         def persistent_id(self, item: Any) -> Any:
             if isinstance(item, torch.storage.TypedStorage) or torch.is_storage(item):
                 return "storage"  # torch.save writes storages beside the pickle
