@@ -1,0 +1,261 @@
+"""Every Python block in README.md and docs/*.md runs as written.
+
+How a block runs is marked on the page (see ``_doc_blocks``): a plain block is a script run
+as ``python script.py`` (a world of one), ``<!-- run: launch N -->`` runs it on N ranks
+through ``python -m sbpflow.distributed.launch``, ``<!-- run: continues -->`` carries on the
+previous block's program, ``<!-- run: output -->`` on a ```text block compares what the
+program printed on rank 0 with what the page shows, API signatures are compared with the
+code, and ``<!-- run: skip (why) -->`` blocks are compiled and reported as skipped with
+their reason. The programs of every page run in one set of processes per number of ranks
+(one launch, not one per page or block); a failing program is reported under its page with
+its block's line and every rank's traceback, and the launch resumes after it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.examples._doc_blocks import ROOT, Block, MarkError, Program, pages, programs, read_page
+
+TIMEOUT_S = 300  # one launch runs every program for its number of ranks
+COLLECTIVE_TIMEOUT_S = "60"  # a block that leaves ranks waiting fails instead of hanging
+
+
+def _read_all() -> tuple[list[Block], list[str]]:
+    blocks, problems = [], []
+    for path in pages():
+        try:
+            page_blocks = read_page(path)
+            programs(page_blocks)
+        except MarkError as error:
+            problems.append(str(error))
+            continue
+        blocks += page_blocks
+    return blocks, problems
+
+
+BLOCKS, MARK_PROBLEMS = _read_all()
+PROGRAMS = [p for page in dict.fromkeys(b.page for b in BLOCKS) for p in programs(
+    [b for b in BLOCKS if b.page == page]
+)]
+RUN_PAGES = list(dict.fromkeys(p.page for p in PROGRAMS))
+SIGNATURES = [b for b in BLOCKS if b.kind == "signature"]
+SKIPPED = [b for b in BLOCKS if b.kind == "skip"]
+
+
+def test_marks_are_valid() -> None:
+    assert not MARK_PROBLEMS, "\n".join(MARK_PROBLEMS)
+    assert len(BLOCKS) > 40 and RUN_PAGES, "the pages' Python blocks were not found"
+
+
+# --- running the programs ----------------------------------------------------------------
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["SBPFLOW_CACHE_DIR"] = str(tmp / "cache")  # plan with the default costs
+    env["SBPFLOW_TIMEOUT"] = COLLECTIVE_TIMEOUT_S
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _launch(plan: Path, out: Path, start: int, ranks: int) -> tuple[int, str]:
+    """Run programs ``start..`` of ``plan`` on ``ranks`` ranks; (exit status, output)."""
+    runner = ["-m", "tests.examples._doc_runner", str(plan), str(out), str(start)]
+    if ranks == 1:
+        argv = [sys.executable, *runner]
+    else:
+        launch = ["-m", "sbpflow.distributed.launch", "--nproc_per_node", str(ranks)]
+        argv = [sys.executable, *launch, *runner]
+    out.mkdir(parents=True)
+    process = subprocess.Popen(
+        argv,
+        cwd=out,
+        env=_env(out),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout can stop the launcher and every rank
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -1, f"{output}\n(stopped after {TIMEOUT_S} s)"
+    return process.returncode, output
+
+
+def _reports(out: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(out.glob("rank*.jsonl")):
+        rank = int(path.stem[len("rank") :])
+        records += [{"rank": rank, **json.loads(line)} for line in path.read_text().splitlines()]
+    return records
+
+
+def _run(group: list[Program], ranks: int, tmp: Path) -> dict[int, str]:
+    """Run ``group`` (all on ``ranks`` ranks); {index in group: why it failed}."""
+    plan = tmp / f"plan-{ranks}.json"
+    plan.write_text(
+        json.dumps(
+            [
+                {
+                    "page": p.page,
+                    "kind": p.kind,
+                    "blocks": [
+                        {"line": b.line, "code": b.code, "expected_output": b.expected_output}
+                        for b in p.blocks
+                    ],
+                }
+                for p in group
+            ]
+        )
+    )
+    failures: dict[int, str] = {}
+    start = 0
+    while start < len(group):
+        status, output = _launch(plan, tmp / f"ranks{ranks}-from{start}", start, ranks)
+        if status == 0:
+            break
+        records = _reports(tmp / f"ranks{ranks}-from{start}")
+        errors = [r for r in records if "error" in r]
+        how = f"on {ranks} rank{'s' * (ranks > 1)}"
+        if errors:
+            first = min(r["index"] for r in errors)
+            failures[first] = "\n".join(
+                f"{r['where']} raised {how} (rank {r['rank']}):\n{r['error']}"
+                for r in errors
+                if r["index"] == first
+            )
+        else:  # the processes ended (or were stopped) with no report: a crash or a hang
+            done = {r["index"] for r in records}
+            first = min(set(range(start, len(group))) - done)
+            failures[first] = (
+                f"{group[first].where} did not finish {how} (exit status {status}); "
+                f"the run's output ends with:\n{output[-4000:]}"
+            )
+        start = first + 1
+    return failures
+
+
+@pytest.fixture(scope="module")
+def failures_by_page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    tmp = tmp_path_factory.mktemp("doc-snippets")
+    by_ranks: dict[int, list[Program]] = defaultdict(list)
+    for program in PROGRAMS:
+        by_ranks[program.ranks].append(program)
+    result: dict[str, list[str]] = defaultdict(list)
+    for ranks, group in sorted(by_ranks.items()):
+        for index, why in sorted(_run(group, ranks, tmp).items()):
+            result[group[index].page].append(why)
+    return result
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_page_runs(page: str, failures_by_page: dict[str, list[str]]) -> None:
+    failures = failures_by_page.get(page, [])
+    assert not failures, "\n\n".join(failures)
+
+
+# --- blocks that are not run ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", SKIPPED, ids=[b.where for b in SKIPPED])
+def test_skipped_block(block: Block) -> None:
+    """A skipped block still has to be valid Python; the skip and its reason are reported."""
+    compile(block.code, f"{ROOT / block.page}:{block.line}", "exec")
+    pytest.skip(f"{block.where} is not run: {block.reason}")
+
+
+def _resolve(dotted: str) -> Any:
+    """``sbpflow.boxing.plan`` -> the object: attributes from the top, importing submodules
+    that are not attributes yet (``sbpflow.placement`` is the function, not the module)."""
+    import sbpflow  # noqa: F401 - adds torch.Tensor.to_global and torch.nn.Module.to_global
+
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for depth, attribute in enumerate(parts[1:], start=2):
+        if hasattr(obj, attribute):
+            obj = getattr(obj, attribute)
+        else:
+            obj = importlib.import_module(".".join(parts[:depth]))
+    return obj
+
+
+def _documented(entry: str) -> tuple[str, ast.arguments]:
+    """``name(params) -> result`` -> (name, the parameters as Python parses them)."""
+    name, _, rest = entry.partition("(")
+    params = rest[: rest.rindex(")")]
+    tree = ast.parse(f"def _({params}): ...")
+    function = tree.body[0]
+    assert isinstance(function, ast.FunctionDef)
+    return name.strip(), function.args
+
+
+def _parameters(args: ast.arguments) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default as source) in order, with inspect's kind names."""
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [
+        (a.arg, "POSITIONAL_ONLY" if i < len(args.posonlyargs) else "POSITIONAL_OR_KEYWORD", d)
+        for i, (a, d) in enumerate(zip(positional, defaults, strict=True))
+    ]
+    if args.vararg:
+        out.append((args.vararg.arg, "VAR_POSITIONAL", None))
+    out += [
+        (a.arg, "KEYWORD_ONLY", d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
+    if args.kwarg:
+        out.append((args.kwarg.arg, "VAR_KEYWORD", None))
+    return [(n, k, None if d is None else ast.unparse(d)) for n, k, d in out]
+
+
+def _actual(obj: Any) -> list[tuple[str, str, str | None]]:
+    out = []
+    for p in inspect.signature(obj).parameters.values():
+        default = None if p.default is inspect.Parameter.empty else p.default
+        out.append((p.name, p.kind.name, None if p.default is inspect.Parameter.empty else repr(default)))
+    return out
+
+
+def _entries(code: str) -> list[str]:
+    """The signatures of a block: each starts at column 0; comments dropped."""
+    entries: list[str] = []
+    for line in code.splitlines():
+        text = line.split("#")[0].rstrip()
+        if not text:
+            continue
+        if text[0].isspace() and entries:
+            entries[-1] += " " + text.strip()
+        else:
+            entries.append(text)
+    return entries
+
+
+@pytest.mark.parametrize("block", SIGNATURES, ids=[b.where for b in SIGNATURES])
+def test_signature_matches_code(block: Block) -> None:
+    """Each documented signature has the parameters (names, kinds, defaults) of the code."""
+    problems = []
+    for entry in _entries(block.code):
+        name, args = _documented(entry)
+        documented = _parameters(args)
+        actual = _actual(_resolve(name))
+        if documented != actual:
+            problems.append(f"{name}\n  page: {documented}\n  code: {actual}")
+    assert not problems, f"{block.where}: signatures differ from the code\n" + "\n".join(problems)
