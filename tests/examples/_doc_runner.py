@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
                 _run_test_module(program)
             else:
                 _run_script(program, rank, record)
-        except BaseException as error:  # noqa: BLE001 - a block's SystemExit fails it too
+        except BaseException as error:  # a block that calls sys.exit() fails too
             record["error"] = _traceback_from_the_page(error)
         with open(out / f"rank{rank}.jsonl", "a") as report:
             report.write(json.dumps(record) + "\n")

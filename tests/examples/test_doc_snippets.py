@@ -47,9 +47,11 @@ def _read_all() -> tuple[list[Block], list[str]]:
 
 
 BLOCKS, MARK_PROBLEMS = _read_all()
-PROGRAMS = [p for page in dict.fromkeys(b.page for b in BLOCKS) for p in programs(
-    [b for b in BLOCKS if b.page == page]
-)]
+PROGRAMS = [
+    p
+    for page in dict.fromkeys(b.page for b in BLOCKS)
+    for p in programs([b for b in BLOCKS if b.page == page])
+]
 RUN_PAGES = list(dict.fromkeys(p.page for p in PROGRAMS))
 SIGNATURES = [b for b in BLOCKS if b.kind == "signature"]
 SKIPPED = [b for b in BLOCKS if b.kind == "skip"]
@@ -230,7 +232,9 @@ def _actual(obj: Any) -> list[tuple[str, str, str | None]]:
     out = []
     for p in inspect.signature(obj).parameters.values():
         default = None if p.default is inspect.Parameter.empty else p.default
-        out.append((p.name, p.kind.name, None if p.default is inspect.Parameter.empty else repr(default)))
+        out.append(
+            (p.name, p.kind.name, None if p.default is inspect.Parameter.empty else repr(default))
+        )
     return out
 
 
