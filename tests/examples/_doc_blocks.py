@@ -104,8 +104,12 @@ def _mark_above(lines: list[str], index: int) -> str | None:
 
 def read_page(path: Path) -> list[Block]:
     """Every ```python block of one page, with its mark; raises MarkError for a bad mark."""
-    page = path.relative_to(ROOT).as_posix()
-    lines = path.read_text().splitlines()
+    return parse_page(path.relative_to(ROOT).as_posix(), path.read_text())
+
+
+def parse_page(page: str, text: str) -> list[Block]:
+    """``read_page`` for the Markdown ``text`` of ``page`` (a path from the repository root)."""
+    lines = text.splitlines()
     blocks: list[Block] = []
     used_marks: set[int] = set()
     for index, lang, body in _fences(lines):

@@ -18,6 +18,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,17 @@ from typing import Any
 
 import pytest
 
-from tests.examples._doc_blocks import ROOT, Block, MarkError, Program, pages, programs, read_page
+from tests.examples._doc_blocks import (
+    ROOT,
+    Block,
+    MarkError,
+    Program,
+    pages,
+    parse_page,
+    programs,
+    read_page,
+)
+from tests.examples._doc_runner import matches
 
 TIMEOUT_S = 300  # one launch runs every program for its number of ranks
 COLLECTIVE_TIMEOUT_S = "60"  # a block that leaves ranks waiting fails instead of hanging
@@ -156,17 +167,30 @@ def _run(group: list[Program], ranks: int, tmp: Path) -> dict[int, str]:
     return failures
 
 
-@pytest.fixture(scope="module")
-def failures_by_page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    tmp = tmp_path_factory.mktemp("doc-snippets")
+def _run_programs(programs: list[Program], tmp: Path) -> dict[str, list[str]]:
+    """Run ``programs``, one launch per number of ranks; {page: why each failing one failed}."""
     by_ranks: dict[int, list[Program]] = defaultdict(list)
-    for program in PROGRAMS:
+    for program in programs:
         by_ranks[program.ranks].append(program)
     result: dict[str, list[str]] = defaultdict(list)
     for ranks, group in sorted(by_ranks.items()):
         for index, why in sorted(_run(group, ranks, tmp).items()):
             result[group[index].page].append(why)
     return result
+
+
+@pytest.fixture(scope="module")
+def failures_by_page(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[str]]:
+    """Runs the programs of every page selected for this session (all of them by default)."""
+    selected = {
+        item.callspec.params["page"]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_page_runs"
+    }
+    wanted = [p for p in PROGRAMS if p.page in selected]
+    return _run_programs(wanted, tmp_path_factory.mktemp("doc-snippets"))
 
 
 @pytest.mark.parametrize("page", RUN_PAGES)
@@ -263,3 +287,93 @@ def test_signature_matches_code(block: Block) -> None:
         if documented != actual:
             problems.append(f"{name}\n  page: {documented}\n  code: {actual}")
     assert not problems, f"{block.where}: signatures differ from the code\n" + "\n".join(problems)
+
+
+# --- the harness itself ---------------------------------------------------------------------
+
+_MARKED_PAGE = """
+<!-- run: launch 2 as first -->
+```python
+a = 1
+```
+```python
+b = 2
+```
+<!-- run: continues -->
+```python
+c = b
+```
+<!-- run: output -->
+```text
+2
+```
+<!-- run: continues first -->
+```python
+d = a
+```
+<!-- run: skip (needs CUDA) -->
+```python
+e = 1
+```
+<!-- run: signature -->
+```python
+f(x) -> int
+```
+```bash
+echo not python
+```
+"""
+
+
+def test_marks_group_blocks_into_programs() -> None:
+    """Each mark of the page above lands where ``_doc_blocks``' docstring says."""
+    blocks = parse_page("p.md", _MARKED_PAGE)
+    assert [(b.line, b.kind, b.ranks, b.reason) for b in blocks] == [
+        (3, "script", 2, ""),
+        (6, "script", 1, ""),
+        (10, "continues", 1, ""),
+        (18, "continues", 1, ""),
+        (22, "skip", 1, "needs CUDA"),
+        (26, "signature", 1, ""),
+    ]
+    assert blocks[2].expected_output == "2\n"
+    grouped = programs(blocks)
+    assert [(p.ranks, [b.line for b in p.blocks]) for p in grouped] == [(2, [3, 18]), (1, [6, 10])]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("<!-- run: launch four -->\n```python\n```\n", "unknown mark `run: launch four`"),
+        ("<!-- run: skip -->\n```python\n```\n", "unknown mark `run: skip`"),
+        ("<!-- run: continues -->\n```python\n```\n", "follows no a script"),
+        ("```python\n```\n<!-- run: continues x -->\n```python\n```\n", "named 'x'"),
+        ("<!-- run: launch 2 -->\n\n```python\n```\n", "right above a fence"),
+        ("<!-- run: launch 2 -->\n```bash\n```\n", "is on a ```bash block"),
+        ("<!-- run: output -->\n```text\n```\n", "must follow a Python block that runs"),
+    ],
+)
+def test_a_mark_the_test_cannot_follow_is_an_error(text: str, problem: str) -> None:
+    with pytest.raises(MarkError, match=re.escape(problem)):
+        programs(parse_page("p.md", text))
+
+
+def test_shown_output_matches_with_ellipsis() -> None:
+    assert matches("a ~... ms\nb", "a ~2.5 ms  \nb\n\n")
+    assert matches("x\n...\nz", "x\ny1\ny2\nz")
+    assert not matches("a ~... ms\nb", "a ~2.5 ms\nc")
+    assert not matches("P", "(P,)")
+
+
+def test_a_failing_block_is_reported_with_its_page_line_and_error(tmp_path: Path) -> None:
+    """Two broken programs on a page: both are reported (the run goes on after the first),
+    each naming the page, its block's line and what went wrong."""
+    page = "```python\nx = 1\nprint(undefined_name)\n```\n\n```python\nprint(2)\n```\n"
+    page += "<!-- run: output -->\n```text\n3\n```\n"
+    failures = _run_programs(programs(parse_page("broken.md", page)), tmp_path)
+    assert list(failures) == ["broken.md"] and len(failures["broken.md"]) == 2
+    name_error, wrong_output = failures["broken.md"]
+    assert "broken.md:1 raised on 1 rank" in name_error
+    assert 'broken.md", line 3' in name_error
+    assert "NameError: name 'undefined_name' is not defined" in name_error
+    assert "broken.md:6 printed\n2\n\nbut the page shows\n3" in wrong_output
