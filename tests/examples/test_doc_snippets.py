@@ -4,8 +4,8 @@ How a block runs is marked on the page (see ``_doc_blocks``): a plain block is a
 as ``python script.py`` (a world of one), ``<!-- run: launch N -->`` runs it on N ranks
 through ``python -m sbpflow.distributed.launch``, ``<!-- run: continues -->`` carries on the
 previous block's program, ``<!-- run: output -->`` on a ```text block compares what the
-program printed on rank 0 with what the page shows, API signatures are compared with the
-code, and ``<!-- run: skip (why) -->`` blocks are compiled and reported as skipped with
+program printed on rank 0 with what the page shows, ``<!-- run: signature -->`` blocks
+(API signatures) are compared with the code, and ``<!-- run: skip (why) -->`` blocks are compiled and reported as skipped with
 their reason. The programs of every page run in one set of processes per number of ranks
 (one launch, not one per page or block); a failing program is reported under its page with
 its block's line and every rank's traceback, and the launch resumes after it.
@@ -13,9 +13,6 @@ its block's line and every rank's traceback, and the launch resumes after it.
 
 from __future__ import annotations
 
-import ast
-import importlib
-import inspect
 import json
 import os
 import re
@@ -39,30 +36,29 @@ from tests.examples._doc_blocks import (
     read_page,
 )
 from tests.examples._doc_runner import matches
+from tests.examples._doc_signatures import differences
 
 TIMEOUT_S = 300  # one launch runs every program for its number of ranks
 COLLECTIVE_TIMEOUT_S = "60"  # a block that leaves ranks waiting fails instead of hanging
 
 
-def _read_all() -> tuple[list[Block], list[str]]:
-    blocks, problems = [], []
+def _read_all() -> tuple[list[Block], list[Program], list[str]]:
+    """Every page's blocks and programs, and the marks that could not be followed."""
+    blocks: list[Block] = []
+    page_programs: list[Program] = []
+    problems: list[str] = []
     for path in pages():
         try:
             page_blocks = read_page(path)
-            programs(page_blocks)
+            page_programs += programs(page_blocks)
         except MarkError as error:
             problems.append(str(error))
             continue
         blocks += page_blocks
-    return blocks, problems
+    return blocks, page_programs, problems
 
 
-BLOCKS, MARK_PROBLEMS = _read_all()
-PROGRAMS = [
-    p
-    for page in dict.fromkeys(b.page for b in BLOCKS)
-    for p in programs([b for b in BLOCKS if b.page == page])
-]
+BLOCKS, PROGRAMS, MARK_PROBLEMS = _read_all()
 RUN_PAGES = list(dict.fromkeys(p.page for p in PROGRAMS))
 SIGNATURES = [b for b in BLOCKS if b.kind == "signature"]
 SKIPPED = [b for b in BLOCKS if b.kind == "skip"]
@@ -209,83 +205,10 @@ def test_skipped_block(block: Block) -> None:
     pytest.skip(f"{block.where} is not run: {block.reason}")
 
 
-def _resolve(dotted: str) -> Any:
-    """``sbpflow.boxing.plan`` -> the object: attributes from the top, importing submodules
-    that are not attributes yet (``sbpflow.placement`` is the function, not the module)."""
-    import sbpflow  # noqa: F401 - adds torch.Tensor.to_global and torch.nn.Module.to_global
-
-    parts = dotted.split(".")
-    obj = importlib.import_module(parts[0])
-    for depth, attribute in enumerate(parts[1:], start=2):
-        if hasattr(obj, attribute):
-            obj = getattr(obj, attribute)
-        else:
-            obj = importlib.import_module(".".join(parts[:depth]))
-    return obj
-
-
-def _documented(entry: str) -> tuple[str, ast.arguments]:
-    """``name(params) -> result`` -> (name, the parameters as Python parses them)."""
-    name, _, rest = entry.partition("(")
-    params = rest[: rest.rindex(")")]
-    tree = ast.parse(f"def _({params}): ...")
-    function = tree.body[0]
-    assert isinstance(function, ast.FunctionDef)
-    return name.strip(), function.args
-
-
-def _parameters(args: ast.arguments) -> list[tuple[str, str, str | None]]:
-    """(name, kind, default as source) in order, with inspect's kind names."""
-    positional = [*args.posonlyargs, *args.args]
-    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-    out = [
-        (a.arg, "POSITIONAL_ONLY" if i < len(args.posonlyargs) else "POSITIONAL_OR_KEYWORD", d)
-        for i, (a, d) in enumerate(zip(positional, defaults, strict=True))
-    ]
-    if args.vararg:
-        out.append((args.vararg.arg, "VAR_POSITIONAL", None))
-    out += [
-        (a.arg, "KEYWORD_ONLY", d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
-    ]
-    if args.kwarg:
-        out.append((args.kwarg.arg, "VAR_KEYWORD", None))
-    return [(n, k, None if d is None else ast.unparse(d)) for n, k, d in out]
-
-
-def _actual(obj: Any) -> list[tuple[str, str, str | None]]:
-    out = []
-    for p in inspect.signature(obj).parameters.values():
-        default = None if p.default is inspect.Parameter.empty else p.default
-        out.append(
-            (p.name, p.kind.name, None if p.default is inspect.Parameter.empty else repr(default))
-        )
-    return out
-
-
-def _entries(code: str) -> list[str]:
-    """The signatures of a block: each starts at column 0; comments dropped."""
-    entries: list[str] = []
-    for line in code.splitlines():
-        text = line.split("#")[0].rstrip()
-        if not text:
-            continue
-        if text[0].isspace() and entries:
-            entries[-1] += " " + text.strip()
-        else:
-            entries.append(text)
-    return entries
-
-
 @pytest.mark.parametrize("block", SIGNATURES, ids=[b.where for b in SIGNATURES])
 def test_signature_matches_code(block: Block) -> None:
     """Each documented signature has the parameters (names, kinds, defaults) of the code."""
-    problems = []
-    for entry in _entries(block.code):
-        name, args = _documented(entry)
-        documented = _parameters(args)
-        actual = _actual(_resolve(name))
-        if documented != actual:
-            problems.append(f"{name}\n  page: {documented}\n  code: {actual}")
+    problems = differences(block.code)
     assert not problems, f"{block.where}: signatures differ from the code\n" + "\n".join(problems)
 
 
@@ -356,6 +279,14 @@ def test_marks_group_blocks_into_programs() -> None:
 def test_a_mark_the_test_cannot_follow_is_an_error(text: str, problem: str) -> None:
     with pytest.raises(MarkError, match=re.escape(problem)):
         programs(parse_page("p.md", text))
+
+
+def test_a_signature_that_is_not_the_code_is_reported() -> None:
+    randn = "sbpflow.randn(*size, placement, sbp, dtype=None, requires_grad={}) -> GlobalTensor"
+    assert differences(randn.format("False")) == []
+    (problem,) = differences(randn.format("True"))
+    assert "('requires_grad', 'KEYWORD_ONLY', 'True')" in problem
+    assert "('requires_grad', 'KEYWORD_ONLY', 'False')" in problem
 
 
 def test_shown_output_matches_with_ellipsis() -> None:
