@@ -147,10 +147,13 @@ def _run(group: list[Program], ranks: int, tmp: Path) -> dict[int, str]:
         how = f"on {ranks} rank{'s' * (ranks > 1)}"
         if errors:
             first = min(r["index"] for r in errors)
+            ranks_by_error: dict[tuple[str, str], list[int]] = defaultdict(list)
+            for r in sorted(errors, key=lambda r: r["rank"]):
+                if r["index"] == first:  # the same error on several ranks is shown once
+                    ranks_by_error[r["where"], r["error"]].append(r["rank"])
             failures[first] = "\n".join(
-                f"{r['where']} raised {how} (rank {r['rank']}):\n{r['error']}"
-                for r in errors
-                if r["index"] == first
+                f"{where} raised {how} (rank {', '.join(map(str, on))}):\n{error}"
+                for (where, error), on in ranks_by_error.items()
             )
         else:  # the processes ended (or were stopped) with no report: a crash or a hang
             done = {r["index"] for r in records}
