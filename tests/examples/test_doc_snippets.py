@@ -186,7 +186,7 @@ def failures_by_page(
     selected = {
         item.callspec.params["page"]
         for item in request.session.items
-        if getattr(item, "originalname", "") == "test_page_runs"
+        if isinstance(item, pytest.Function) and item.originalname == "test_page_runs"
     }
     wanted = [p for p in PROGRAMS if p.page in selected]
     return _run_programs(wanted, tmp_path_factory.mktemp("doc-snippets"))
