@@ -122,11 +122,19 @@ def _allow_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
-def run_command(argv: list[str], directory: Path, core_dumps: bool) -> Run:
+@dataclass(frozen=True)
+class RunOptions:
+    """How every job of a soak is started."""
+
+    core_dumps: bool = False  # lift the core size limit for the job's processes
+    wrapper: tuple[str, ...] = ()  # a command each job's command line runs under
+
+
+def run_command(argv: list[str], directory: Path, options: RunOptions) -> Run:
     """Run one job (a launcher command line) in ``directory``; kill it at the limit."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        argv,
+        [*options.wrapper, *argv],
         cwd=directory,
         env=_job_env(),
         stdin=subprocess.DEVNULL,
@@ -134,7 +142,7 @@ def run_command(argv: list[str], directory: Path, core_dumps: bool) -> Run:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # the launcher and its workers: one process group to kill
-        preexec_fn=_allow_core_dumps if core_dumps else None,
+        preexec_fn=_allow_core_dumps if options.core_dumps else None,
     )
     returncode: int | None
     try:
@@ -153,21 +161,21 @@ class Kind:
     """A kind of job: how to run it once, and how its output shows that it succeeded."""
 
     name: str
-    run_once: Callable[[Path, bool], Run]  # (the run's directory, allow core dumps)
+    run_once: Callable[[Path, RunOptions], Run]  # (the run's directory, how to start it)
     finished: Callable[[str], bool]
     session: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
 
-def _torchrun(script: str, *args: str) -> Callable[[Path, bool], Run]:
+def _torchrun(script: str, *args: str) -> Callable[[Path, RunOptions], Run]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(NUM_RANKS), str(ROOT / script), *args]  # fmt: skip
-    return lambda directory, core_dumps: run_command(argv, directory, core_dumps)
+    return lambda directory, options: run_command(argv, directory, options)
 
 
-def _launcher(script: str, *args: str) -> Callable[[Path, bool], Run]:
+def _launcher(script: str, *args: str) -> Callable[[Path, RunOptions], Run]:
     argv = [sys.executable, "-m", "sbpflow.distributed.launch",
             "--nproc_per_node", str(NUM_RANKS), str(ROOT / script), *args]  # fmt: skip
-    return lambda directory, core_dumps: run_command(argv, directory, core_dumps)
+    return lambda directory, options: run_command(argv, directory, options)
 
 
 def _every_rank_says(pattern: str) -> Callable[[str], bool]:
@@ -203,16 +211,16 @@ class _TwoHosts:
                 cls.hosts = None
 
     @classmethod
-    def run_once(cls, directory: Path, core_dumps: bool) -> Run:
+    def run_once(cls, directory: Path, options: RunOptions) -> Run:
         from tests.multihost.two_hosts import run_job
 
         assert cls.hosts is not None, "two-hosts runs inside its session"
         previous = resource.getrlimit(resource.RLIMIT_CORE)
         start = time.monotonic()
-        if core_dumps:  # inherited by the launchers this process starts
+        if options.core_dumps:  # inherited by the launchers this process starts
             _allow_core_dumps()
         try:
-            result = run_job(cls.hosts, cwd=directory)
+            result = run_job(cls.hosts, cwd=directory, wrapper=options.wrapper)
         finally:
             resource.setrlimit(resource.RLIMIT_CORE, previous)
         return Run(result.returncodes, result.output, time.monotonic() - start, directory)
@@ -260,12 +268,12 @@ def _describe(verdict: Verdict, run: Run) -> str:
     return f"exit {codes}  {run.seconds:6.1f} s  NOT CLEAN: " + ", ".join(n for n in notes if n)
 
 
-def soak(kind: Kind, runs: int, log_dir: Path, core_dumps: bool) -> list[tuple[Verdict, Run]]:
+def soak(kind: Kind, runs: int, log_dir: Path, options: RunOptions) -> list[tuple[Verdict, Run]]:
     results = []
     with kind.session():
         for index in range(1, runs + 1):
             directory = Path(tempfile.mkdtemp(prefix=f"soak-{kind.name}-{index}-", dir=log_dir))
-            run = kind.run_once(directory, core_dumps)
+            run = kind.run_once(directory, options)
             verdict = judge(run, kind.finished)
             print(f"{kind.name:9} {index:3}/{runs}  {_describe(verdict, run)}", flush=True)
             if verdict.clean:
@@ -312,9 +320,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="lift the core size limit for the jobs, so an abort leaves a core to debug",
     )
+    parser.add_argument(
+        "--wrapper",
+        default="",
+        help="a command to run each job under, e.g. one that shares the machine with other "
+        "work; split on spaces",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    options = RunOptions(args.core_dumps, tuple(args.wrapper.split()))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sbpflow-soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     pattern = Path("/proc/sys/kernel/core_pattern")
@@ -324,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"soak: {args.runs} run(s) of {', '.join(args.kinds)}; {NUM_RANKS} ranks each; "
           f"core_pattern {cores!r}, core size {limit}; logs in {log_dir}", flush=True)  # fmt: skip
-    all_results = {
-        name: soak(KINDS[name], args.runs, log_dir, args.core_dumps) for name in args.kinds
-    }
+    all_results = {name: soak(KINDS[name], args.runs, log_dir, options) for name in args.kinds}
     print(_table(all_results))
     clean = all(v.clean for results in all_results.values() for v, _ in results)
     if not clean:

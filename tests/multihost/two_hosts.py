@@ -74,7 +74,9 @@ def why_unavailable() -> str | None:
     return None
 
 
-def _launch(host: int, namespace: str, interface: str, master: str, cwd: Path) -> subprocess.Popen:
+def _launch(
+    host: int, namespace: str, interface: str, master: str, cwd: Path, wrapper: tuple[str, ...]
+) -> subprocess.Popen:
     """One host's launcher, inside its namespace, with its own hostname and /dev/shm."""
     launcher = (
         f"hostname sbpflow-host{host} && mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} "
@@ -89,7 +91,7 @@ def _launch(host: int, namespace: str, interface: str, master: str, cwd: Path) -
         OMP_NUM_THREADS="1",
     )
     return subprocess.Popen(
-        ["ip", "netns", "exec", namespace, "unshare", "--uts", "--mount", "--propagation",
+        [*wrapper, "ip", "netns", "exec", namespace, "unshare", "--uts", "--mount", "--propagation",
          "private", "sh", "-c", launcher],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -115,10 +117,17 @@ class JobResult:
         return found
 
 
-def run_job(hosts: list[Host], cwd: Path = ROOT) -> JobResult:
-    """Run ``two_host_job.py`` once on both hosts (processes started in ``cwd``)."""
+def run_job(hosts: list[Host], cwd: Path = ROOT, wrapper: tuple[str, ...] = ()) -> JobResult:
+    """Run ``two_host_job.py`` once on both hosts.
+
+    The processes start in ``cwd``; each host's command line runs under ``wrapper`` (a
+    command prefix), if given.
+    """
     master = hosts[0][2]
-    procs = [_launch(h, ns, interface, master, cwd) for h, (ns, interface, _) in enumerate(hosts)]
+    procs = [
+        _launch(h, ns, interface, master, cwd, wrapper)
+        for h, (ns, interface, _) in enumerate(hosts)
+    ]
     deadline = time.monotonic() + RUN_LIMIT_S
     outputs: list[str] = []
     returncodes: list[int | None] = []
