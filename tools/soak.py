@@ -131,10 +131,15 @@ class RunOptions:
 
 
 def run_command(argv: list[str], directory: Path, options: RunOptions) -> Run:
-    """Run one job (a launcher command line) in ``directory``; kill it at the limit."""
+    """Run one job (a launcher command line) in ``directory``; kill it at the limit.
+
+    Under a wrapper (which may wait before it starts the job, e.g. for a lock), the limit
+    is ``timeout``'s, inside the wrapper: it counts from the job's start, not the wait's.
+    """
+    limit = ["timeout", "--kill-after", "10", str(RUN_LIMIT_S)] if options.wrapper else []
     start = time.monotonic()
     proc = subprocess.Popen(
-        [*options.wrapper, *argv],
+        [*options.wrapper, *limit, *argv],
         cwd=directory,
         env=_job_env(),
         stdin=subprocess.DEVNULL,
@@ -146,13 +151,16 @@ def run_command(argv: list[str], directory: Path, options: RunOptions) -> Run:
     )
     returncode: int | None
     try:
-        output, _ = proc.communicate(timeout=RUN_LIMIT_S)
-        returncode = proc.returncode
+        output, _ = proc.communicate(timeout=None if options.wrapper else RUN_LIMIT_S)
+        # 124: timeout's own status when the job ran past the limit
+        returncode = None if options.wrapper and proc.returncode == 124 else proc.returncode
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         returncode = None
+    with contextlib.suppress(ProcessLookupError):  # whatever a job killed at the limit left
+        os.killpg(proc.pid, signal.SIGKILL)
     return Run((returncode,), output, time.monotonic() - start, directory)
 
 
