@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _meta_check
 from ._bounded import BoundedDict
@@ -74,9 +75,24 @@ def logical_value(t: GlobalTensor, call: str = "print()") -> torch.Tensor:
     return box_below_autograd(t, dst)._local.detach()
 
 
+def _without_data(local: torch.Tensor) -> bool:
+    """A piece with no values to read: a meta tensor, or a fake or functional one while
+    torch.compile or another tracer builds a graph (they print their tensors' metadata)."""
+    return local.is_meta or is_fake(local) or torch.compiler.is_compiling()
+
+
 def global_repr(t: GlobalTensor) -> str:
-    """``tensor([...], placement=..., sbp=...)`` with the logical value (a collective)."""
-    body = torch._tensor_str._str(logical_value(t))
+    """``tensor([...], placement=..., sbp=...)`` with the logical value (a collective).
+
+    While a tracer runs (the piece is fake or meta) there is no value to gather: the text
+    shows the metadata only, ``tensor(..., size=(4, 8), placement=..., sbp=...)``, as torch
+    prints a meta tensor, and no rank communicates.
+    """
+    if _without_data(t._local):
+        dtype = "" if t.dtype == torch.get_default_dtype() else f", dtype={t.dtype}"
+        body = f"tensor(..., size={tuple(t.shape)}{dtype})"
+    else:
+        body = torch._tensor_str._str(logical_value(t))
     assert body.endswith(")")
     extra = f", placement={t.placement!r}, sbp={sbp_str(t.sbp)}"
     if t.grad_fn is not None:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
 from torch.utils._pytree import tree_flatten
 
 from ._compiling import compiling
@@ -81,15 +82,29 @@ def state() -> tuple[int, int]:
     return _seed, _offset
 
 
+class RandomOpWhileTracing(UnsupportedFakeTensorException):
+    """A random op met while torch.compile traces (NOTE [compiled global tensors]).
+
+    The fake-tensor exception Dynamo answers with a graph break, running the op eagerly
+    between two graphs; it does so on every supported torch. Any other exception there fails
+    the compile (and an exception raised while Dynamo formats it, e.g. reading a fake value,
+    would turn into a break by accident).
+    """
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 def take(numel: int) -> tuple[int, int]:
     """Claim ``numel`` positions for one random op; return ``(seed, offset)`` of the first."""
     global _offset
     if compiling():
-        raise RuntimeError(
+        raise RandomOpWhileTracing(
             "sbpflow: a random op on a global tensor (dropout with p > 0, bernoulli, normal_, "
-            "sbpflow.randn, ...) cannot run inside torch.compile: sbpflow's logical random "
-            "state advances in Python, which a compiled graph would freeze. Call it outside "
-            "the compiled function, or compile the model in eval() mode / with dropout p=0."
+            "sbpflow.randn, ...) cannot be traced into a torch.compile graph: sbpflow's logical "
+            "random state advances in Python, which a compiled graph would freeze. torch.compile "
+            "breaks the graph and runs it eagerly; with fullgraph=True, call it outside the "
+            "compiled function, or compile the model in eval() mode / with dropout p=0."
         )
     start = _offset
     _offset += numel

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sbpflow
 from sbpflow.testing import DistributedPool
@@ -73,6 +74,33 @@ def read_outside(ranks: list[int]) -> dict[str, Any]:
     x = make(value, pl, S0)
     loss = make(torch.tensor(1.25), pl, P)
     return {"tolist": x.tolist(), "item": loss.item(), "repr": repr(x), "format": f"{loss:.3f}"}
+
+
+def repr_while_traced(ranks: list[int]) -> list[str]:
+    """Worker: the text of a global tensor whose piece is fake, as torch.compile's tracers
+    print it (AOTAutograd logs its inputs' metadata); only rank 0 prints it."""
+    x = make(torch.arange(12, dtype=torch.float32).reshape(3, 4), placement(ranks), S0)
+    texts = []
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        if torch.distributed.get_rank() == 0:
+            texts += [repr(fake), repr(fake.half())]
+    return texts
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_a_traced_tensor_prints_its_metadata_without_communicating(
+    dist_pool: DistributedPool,
+) -> None:
+    """A value read would be a collective that fails on a fake piece (and that the other rank,
+    not printing, never joins): the text holds shape, dtype and layout only."""
+    texts, other = dist_pool.run(repr_while_traced, [0, 1])
+    pl = "placement('cpu', [0, 1])"
+    assert texts == [
+        f"tensor(..., size=(3, 4), placement={pl}, sbp=S(0))",
+        f"tensor(..., size=(3, 4), dtype=torch.float16, placement={pl}, sbp=S(0))",
+    ]
+    assert other == []
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
