@@ -47,8 +47,12 @@ if str(ROOT) not in sys.path:
 import sbpflow  # noqa: E402
 from bench._ranks import join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
-from sbpflow.nn._pipeline_runtime import current_action  # noqa: E402
-from sbpflow.nn.pipeline import ActionKind, StepRecord, build_schedule  # noqa: E402
+from sbpflow.nn.pipeline import (  # noqa: E402
+    ActionKind,
+    StepRecord,
+    build_schedule,
+    current_action,
+)
 from sbpflow.sbp import broadcast  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 

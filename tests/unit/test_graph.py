@@ -19,8 +19,8 @@ from torch import nn
 
 import sbpflow
 from sbpflow.nn import Block, BlockConfig, Graph
-from sbpflow.nn._microbatch import mean_outputs, split_microbatches
 from sbpflow.nn.pipeline import SCHEDULE_NAMES, build_schedule
+from sbpflow.nn.pipeline.runtime._microbatch import mean_outputs, split_microbatches
 
 P = [sbpflow.placement("cpu", [r]) for r in range(4)]
 
@@ -332,7 +332,7 @@ def test_mean_outputs_keeps_structure() -> None:
 def test_enable_compile_sets_and_restores_compiled_forwards() -> None:
     """``compile_forwards`` gives a module a compiled forward (same values as eager), keeps it
     for the same options, and ``None`` (``enable_compile(False)``) puts the module's own back."""
-    from sbpflow.nn._compiled_stages import compile_forwards
+    from sbpflow.nn.pipeline.runtime._compiled import compile_forwards
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)

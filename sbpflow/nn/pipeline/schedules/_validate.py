@@ -19,13 +19,10 @@ is raised as a ``ValueError``:
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from . import _simulate
 from .actions import Action, ActionKind
-
-if TYPE_CHECKING:
-    from .schedule import Schedule
+from .schedule import Schedule
 
 __all__ = ["validate"]
 
@@ -193,14 +190,11 @@ def _grad_of(sch: Schedule, rank: int, a: Action) -> Action:
 
 
 def _deadlock(sch: Schedule) -> str | None:
-    stuck = _simulate.run(sch.actions, lambda action: 1.0).stuck
-    if not stuck:
+    done = _simulate.run(sch.actions, lambda action: 1.0)
+    if not done.stuck:
         return None
-    waits = "; ".join(
-        f"rank {rank} waits at {sch.actions[rank][i]} (position {i})" for rank, i in stuck.items()
-    )
     return (
-        f"deadlock with blocking receives: {waits}; each waits for a send its peer only "
+        f"{_simulate.describe(sch.actions, done)}; each waits for a send its peer only "
         "reaches after its own blocked receive. Reorder so one side sends first."
     )
 

@@ -106,10 +106,10 @@ class Schedule:
     def _simulate(self, duration: Callable[[Action], float], comm_time: float) -> Simulation:
         done = _simulate.run(self.actions, duration, comm_time)
         if done.stuck:
-            from ._validate import validate
-
-            validate(self)  # names the problem
-            raise AssertionError("a validated schedule got stuck")  # pragma: no cover
+            raise ValueError(
+                f"schedule {self.name!r} cannot run to its end: {_simulate.describe(self.actions, done)}; "
+                "validate(schedule) names the first problem of a hand-made schedule."
+            )
         timings = tuple(ActionTiming(*t) for t in done.timings)
         makespan = max((t.end for t in timings), default=0.0)
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
