@@ -17,7 +17,10 @@
 # forward the input, and in backward a way to compute the gradient, which the
 # runtime may run once and replay (a zero-bubble weight pass crosses the same
 # boundaries as the input pass before it, and must not receive their gradients
-# twice). The runtime runs its backwards with the autograd engine on the
+# twice). Its move goes on lane 0 of the pair of placements and its gradient's
+# move back on lane 1 (NOTE [lanes] in sbpflow/comm/_p2p.py), so the ranks need
+# to agree on the order of messages within each lane only. The runtime runs its
+# backwards with the autograd engine on the
 # calling thread (``torch.autograd.set_multithreading_enabled(False)``), so the
 # backward finds the scope of the pass that runs it (an input-gradient or a
 # weight pass) in the context variable.
@@ -35,6 +38,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -49,10 +53,15 @@ from .planner import plan
 __all__ = ["Redistribute", "box_below_autograd"]
 
 
-def box_below_autograd(x: GlobalTensor, dst: Layout) -> GlobalTensor:
-    """``x`` laid out as ``dst`` (same logical value); not differentiable. Every rank calls it."""
+def box_below_autograd(
+    x: GlobalTensor, dst: Layout, lane: tuple[Hashable, int] | None = None
+) -> GlobalTensor:
+    """``x`` laid out as ``dst`` (same logical value); not differentiable. Every rank calls it.
+
+    A change of placement goes on ``lane`` (NOTE [lanes] in sbpflow/comm/_p2p.py).
+    """
     boxing_plan = plan(tuple(x.shape), x.dtype, x._layout, dst)
-    local = executor.execute(boxing_plan, x._local, get_rank())
+    local = executor.execute(boxing_plan, x._local, get_rank(), lane)
     return GlobalTensor(local, dst, x.shape)
 
 
@@ -60,24 +69,28 @@ class Redistribute(torch.autograd.Function):
     """Forward: boxing src -> dst. Backward: the gradient boxed back to src's layout."""
 
     @staticmethod
-    def forward(ctx: Any, x: GlobalTensor, dst: Layout) -> GlobalTensor:
+    def forward(
+        ctx: Any, x: GlobalTensor, dst: Layout, lane: tuple[Hashable, int] | None = None
+    ) -> GlobalTensor:
         ctx.src, ctx.dst = x._layout, None
-        if x.placement != dst.placement:
+        if lane is None and x.placement != dst.placement:
             scope = _step_context.current.get()
             if scope is not None:  # NOTE [transfer hook]
                 ctx.dst = dst
+                lane = ((x.placement, dst.placement), 0)  # its gradient comes back on lane 1
                 scope.transfer_forward(ctx, x, dst)
-        return box_below_autograd(x, dst)
+        return box_below_autograd(x, dst, lane)
 
     @staticmethod
-    def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None]:
+    def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None, None]:
         grad = as_global_grad(grad, "boxing")
         scope = _step_context.current.get() if ctx.dst is not None else None
         if scope is None:
-            return Redistribute.apply(grad, ctx.src), None
+            return Redistribute.apply(grad, ctx.src), None, None
+        lane = ((ctx.src.placement, ctx.dst.placement), 1)
 
         def move() -> GlobalTensor:  # NOTE [gradients cross in the layout their tensor crossed in]
             crossed = grad if grad._layout == ctx.dst else Redistribute.apply(grad, ctx.dst)
-            return Redistribute.apply(crossed, ctx.src)
+            return Redistribute.apply(crossed, ctx.src, lane)
 
-        return scope.transfer_backward(ctx, move), None
+        return scope.transfer_backward(ctx, move), None, None

@@ -263,13 +263,7 @@ class Graph:
             if len(stages) > 1:
                 schedule = self.schedule()
                 outputs, record = run_step(
-                    self.build,
-                    microbatches,
-                    contexts,
-                    schedule,
-                    stages,
-                    params,
-                    self._held_elsewhere,
+                    self.build, microbatches, contexts, schedule, stages, self._held_elsewhere
                 )
                 object.__setattr__(self, "_last_step", record)
             else:

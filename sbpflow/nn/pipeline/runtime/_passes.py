@@ -54,16 +54,13 @@ def run_input_gradients(mb: MicroBatch) -> None:
     )
 
 
-def run_weight_gradients(mb: MicroBatch, mine: Sequence[torch.Tensor]) -> None:
-    """W: the gradients of this rank's parameters, replaying what I moved (NOTE [split backward])."""
-    if not mine:
-        return
+def run_weight_gradients(mb: MicroBatch) -> None:
+    """W: the rest of the backward (the weight gradients), replaying what I moved (NOTE [split backward])."""
     retain = any(bw.retain_graph for bw in mb.backwards)
     torch.autograd.backward(
         [bw.tensor for bw in mb.backwards],
         [bw.gradient for bw in mb.backwards],
         retain_graph=retain,
-        inputs=list(mine),
     )
 
 

@@ -34,14 +34,14 @@
 # W (the weight gradients, later). I runs ``torch.autograd.grad`` of the
 # recorded loss with respect to every tensor that crossed a placement in the
 # forward (NOTE [transfer hook] in sbpflow/boxing/_redistribute.py): the same
-# call on every rank, so the same message order. Its graph is kept. W runs
-# ``torch.autograd.backward`` of the loss with respect to this rank's
-# parameters; the changes of placement it crosses again return the gradients I
-# computed (kept on the autograd node) instead of receiving them a second time,
-# so W sends and receives nothing. W recomputes the gradients inside the stage
-# that lead to its weights (all of the stage's backward but the input gradient
-# of its first op): the price of splitting B without changing the ops' backward
-# formulas. Gradients and losses equal B's exactly.
+# call on every rank, so the same message order. Its graph is kept. W runs the
+# loss's backward again, this time into the leaves (the parameters, and any
+# other tensor that needs a gradient); the changes of placement it crosses
+# again return the gradients I computed (kept on the autograd node) instead of
+# receiving them a second time, so W sends and receives nothing. W recomputes
+# the gradients inside the stage that I computed (the price of splitting B
+# without changing the ops' backward formulas) and adds the weight gradients.
+# Gradients and losses equal B's exactly.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from ...._global import GlobalTensor
 from ....comm import collectives
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind, Schedule, StepRecord
@@ -42,7 +41,6 @@ def run_step(
     contexts: Sequence[contextvars.Context],
     schedule: Schedule,
     stages: Sequence[Stage],
-    params: Sequence[torch.Tensor],
     held_elsewhere: HeldElsewhere,
 ) -> tuple[list[Any], StepRecord]:
     """Run ``build`` on each micro-batch in ``schedule``'s order on this rank.
@@ -63,14 +61,13 @@ def run_step(
     recorder = Recorder(rank, stages)
     todo = compute_order(schedule, holder, len(mbs))
     held = schedule.stages_of(holder) if holder is not None else ()
-    mine = [p for p in params if isinstance(p, GlobalTensor) and rank in p.placement]
     with (
         held_elsewhere.installed(stages, rank),
         collectives.deferred_sends(recorder.observe),
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
         if len(held) > 1:
-            run_on_workers(todo, mbs, build, held, stages, mine, recorder)
+            run_on_workers(todo, mbs, build, held, stages, recorder)
         else:
             scopes = [Scope(mb) for mb in mbs]
             for mb, scope in zip(mbs, scopes, strict=True):
@@ -78,7 +75,7 @@ def run_step(
             for action in todo:
                 mb = mbs[action.microbatch]
                 start = time.monotonic()
-                mb.context.run(run_action, action, scopes[action.microbatch], build, mine)
+                mb.context.run(run_action, action, scopes[action.microbatch], build)
                 recorder.add(action, start, time.monotonic())
     for mb in mbs:
         mb.release()
@@ -96,7 +93,7 @@ def compute_order(schedule: Schedule, holder: int | None, num_microbatches: int)
     return [a for a in schedule.actions[holder] if a.is_compute]
 
 
-def run_action(action: Action, scope: Scope, build: Build, mine: Sequence[torch.Tensor]) -> None:
+def run_action(action: Action, scope: Scope, build: Build) -> None:
     """Run one compute action of ``scope``'s micro-batch on this thread (in its context)."""
     mb, kind = scope.mb, action.kind
     scope.action = action
@@ -112,7 +109,7 @@ def run_action(action: Action, scope: Scope, build: Build, mine: Sequence[torch.
             run_input_gradients(mb)
         elif kind is ActionKind.BACKWARD_WEIGHT:
             scope.phase = Phase.WEIGHT
-            run_weight_gradients(mb, mine)
+            run_weight_gradients(mb)
             mb.release()
         else:  # pragma: no cover - transfers are not compute actions
             raise AssertionError(f"not a compute action: {action}")

@@ -212,7 +212,6 @@ def run_on_workers(
     build: Build,
     held: tuple[int, ...],
     stages: Sequence[Stage],
-    mine: Sequence[torch.Tensor],
     recorder: Recorder,
 ) -> None:
     """Several stages on this rank: grant each worker its actions in order (NOTE [several stages on a rank])."""
@@ -240,7 +239,7 @@ def run_on_workers(
         scope.phase = Phase.IDLE
 
     def weight_pass(task: Task) -> None:
-        run_weight_gradients(task.scope.mb, mine)
+        run_weight_gradients(task.scope.mb)
         task.scope.mb.release()
 
     def task_for(mb: MicroBatch, body: Callable[[Task], None], phase: Phase) -> Task:
