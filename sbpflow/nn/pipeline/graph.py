@@ -171,6 +171,7 @@ class Graph:
     _last_step: StepRecord | None
     _held_elsewhere: HeldElsewhere  # stand-ins of the stages other ranks hold
     _warned_no_stages: bool
+    _schedules: dict[tuple[Any, ...], Schedule]  # built for (name, stages, ranks, micro-batches)
 
     def __init__(self) -> None:
         object.__setattr__(self, "_blocks", {})
@@ -181,6 +182,7 @@ class Graph:
         object.__setattr__(self, "_last_step", None)
         object.__setattr__(self, "_held_elsewhere", HeldElsewhere())
         object.__setattr__(self, "_warned_no_stages", False)
+        object.__setattr__(self, "_schedules", {})
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """One step on one micro-batch: forward, loss, ``loss.backward()``; return the loss."""
@@ -239,12 +241,16 @@ class Graph:
                 "self.<module>.config.set_stage(stage_id, placement) in __init__."
             )
         check_stage_ids(stages)
-        return build_schedule(
+        key = (
             self.config._schedule_for(len(stages)),
             len(stages),
-            stage_ranks(stages),
+            tuple(stage_ranks(stages)),
             self.config.gradient_accumulation_steps,
         )
+        built = self._schedules.get(key)
+        if built is None:  # a schedule is a value: build and validate it once per configuration
+            built = self._schedules[key] = build_schedule(*key)
+        return built
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stages = self._stages()
