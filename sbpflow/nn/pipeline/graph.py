@@ -58,6 +58,7 @@ from ...env import get_rank
 from ._block import Block, BlockConfig
 from .runtime import (
     HeldElsewhere,
+    HeldHere,
     Stage,
     box_to_stage,
     check_stage_ids,
@@ -170,6 +171,7 @@ class Graph:
     _grad_scaler: Any
     _last_step: StepRecord | None
     _held_elsewhere: HeldElsewhere  # stand-ins of the stages other ranks hold
+    _held_here: HeldHere  # this rank's stages that run on their pieces
     _warned_no_stages: bool
     _schedules: dict[tuple[Any, ...], Schedule]  # built for (name, stages, ranks, micro-batches)
 
@@ -181,6 +183,7 @@ class Graph:
         object.__setattr__(self, "_grad_scaler", None)
         object.__setattr__(self, "_last_step", None)
         object.__setattr__(self, "_held_elsewhere", HeldElsewhere())
+        object.__setattr__(self, "_held_here", HeldHere())
         object.__setattr__(self, "_warned_no_stages", False)
         object.__setattr__(self, "_schedules", {})
 
@@ -269,7 +272,13 @@ class Graph:
             if len(stages) > 1:
                 schedule = self.schedule()
                 outputs, record = run_step(
-                    self.build, microbatches, contexts, schedule, stages, self._held_elsewhere
+                    self.build,
+                    microbatches,
+                    contexts,
+                    schedule,
+                    stages,
+                    self._held_elsewhere,
+                    self._held_here,
                 )
                 object.__setattr__(self, "_last_step", record)
             else:

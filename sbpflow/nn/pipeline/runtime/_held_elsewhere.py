@@ -59,10 +59,10 @@ from ....comm._errors import communications_entered
 from ....comm._world import device_for
 from ._stages import Stage
 
-__all__ = ["HeldElsewhere"]
+__all__ = ["CONSTANTS", "HeldElsewhere", "call_key"]
 
 # Argument values a key may hold (compared by value).
-_CONSTANTS = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
+CONSTANTS = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class HeldElsewhere:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             flat, spec = tree_flatten((args, kwargs))
-            key = _call_key(state, flat, spec, rank)
+            key = call_key(state, flat, spec, rank)
             found = self._outputs.get(key, _UNSEEN) if key is not None else None
             if found is _UNSEEN:
                 out, found = _record(forward, args, kwargs, flat, rank)
@@ -194,19 +194,22 @@ def _tensor_key(t: torch.Tensor) -> Any:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
-def _call_key(state: Any, flat: list[Any], spec: Any, rank: int) -> Any:
-    """What a stage's outputs may depend on, hashable; ``None`` if this call must run here."""
+def call_key(state: Any, flat: list[Any], spec: Any, rank: int, held: bool = False) -> Any:
+    """What a stage's outputs may depend on, hashable; ``None`` if this call cannot be replaced.
+
+    ``held``: the stage is this rank's (its global inputs may be on placements holding it).
+    """
     leaves: list[Any] = []
     for x in flat:
         if isinstance(x, GlobalTensor):
-            if rank in x._meta.layout.placement:
+            if not held and rank in x._meta.layout.placement:
                 return None
             leaves.append((x._meta, x.requires_grad))
         elif isinstance(x, torch.Tensor):
             if x.requires_grad:
                 return None
             leaves.append((tuple(x.shape), x.dtype, x.device))
-        elif isinstance(x, _CONSTANTS):
+        elif isinstance(x, CONSTANTS):
             leaves.append((type(x), x))
         else:
             return None
@@ -241,7 +244,7 @@ def _record(
                 return out, None
             leaves.append((leaf._meta, leaf.requires_grad))
             is_tensor.append(True)
-        elif isinstance(leaf, _CONSTANTS) and not isinstance(leaf, torch.Tensor):
+        elif isinstance(leaf, CONSTANTS) and not isinstance(leaf, torch.Tensor):
             leaves.append(leaf)
             is_tensor.append(False)
         else:

@@ -25,6 +25,7 @@ from ....comm import collectives
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind, Schedule, StepRecord
 from ._held_elsewhere import HeldElsewhere
+from ._held_here import HeldHere
 from ._microbatch import MicroBatchArgs
 from ._passes import Build, run_backward, run_forward, run_input_gradients, run_weight_gradients
 from ._recorder import Recorder
@@ -42,6 +43,7 @@ def run_step(
     schedule: Schedule,
     stages: Sequence[Stage],
     held_elsewhere: HeldElsewhere,
+    held_here: HeldHere,
 ) -> tuple[list[Any], StepRecord]:
     """Run ``build`` on each micro-batch in ``schedule``'s order on this rank.
 
@@ -63,6 +65,7 @@ def run_step(
     held = schedule.stages_of(holder) if holder is not None else ()
     with (
         held_elsewhere.installed(stages, rank),
+        held_here.installed(stages, rank),
         collectives.deferred_sends(recorder.observe),
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
