@@ -23,22 +23,19 @@ from torch import nn
 
 import sbpflow
 from bench._ranks import join_world
-from sbpflow.nn.pipeline import ActionKind, StepRecord, build_schedule, current_action
+from sbpflow.nn.pipeline import (
+    SCHEDULE_NAMES,
+    ActionKind,
+    StepRecord,
+    build_schedule,
+    current_action,
+)
 from sbpflow.sbp import broadcast
 
 T = 0.05  # seconds of a rank's forward wait (long next to the runtime's own work per action)
 P = 4  # pipeline ranks
 WIDTH, ROWS = 16, 4  # the tiny linear and rows per micro-batch
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "zero_bubble",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv",
-    "dualpipev",
-)
+SCHEDULES = SCHEDULE_NAMES  # every schedule, in the docs' order
 MICROBATCHES = (8, 16)
 _V_SHAPED = ("zbv", "dualpipev")
 
