@@ -161,6 +161,16 @@ def _staged(placements: list[sbpflow.Placement], ids: list[int], steps: int) -> 
     return graph
 
 
+def test_last_step_before_a_pipelined_call_says_why() -> None:
+    """Without stages it names set_stage; with stages but no call yet it says to call first."""
+    with pytest.raises(
+        ValueError, match=r"Holder has no pipelined step.*no pipeline stages.*set_stage"
+    ):
+        Holder(Chain(2)).last_step()
+    with pytest.raises(ValueError, match=r"has not been called yet; call the graph first"):
+        _staged([P[0], P[1]], [0, 1], steps=2).last_step()
+
+
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_schedule_is_the_pure_schedule_for_the_configured_stages(name: str) -> None:
     """graph.schedule() equals build_schedule for the stages' first ranks and micro-batches."""
