@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import _step_context
 from ._bounded import BoundedDict
 from ._compiling import never_a_compiled_frame
 from ._layout import Layout
@@ -155,10 +156,6 @@ def _unbound_dispatcher(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 _dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
-
-# Set by the pipeline runtime while it runs ``build``'s forwards: ``GlobalTensor.backward``
-# hands its arguments here instead of running (NOTE [deferred backward] there).
-deferred_backward: Callable[[GlobalTensor, Any, Any, bool, Any], None] | None = None
 
 
 def _unbound_box(x: GlobalTensor, layout: Layout) -> GlobalTensor:
@@ -312,11 +309,13 @@ class GlobalTensor(torch.Tensor):
         """As ``torch.Tensor.backward``; inside a pipelined step it is recorded, not run.
 
         The pipeline runtime runs ``build``'s forward on a micro-batch and the
-        loss's backward later, when the schedule says (NOTE [deferred
-        backward] in sbpflow/nn/_pipeline_runtime.py).
+        loss's backward later, when the schedule says (NOTE [pipeline step
+        context] in sbpflow/_step_context.py).
         """
-        if deferred_backward is not None:
-            deferred_backward(self, gradient, retain_graph, create_graph, inputs)
+        scope = _step_context.current.get()
+        if scope is not None and scope.defer_backward(
+            self, gradient, retain_graph, create_graph, inputs
+        ):
             return
         super().backward(gradient, retain_graph, create_graph, inputs)
 

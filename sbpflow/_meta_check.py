@@ -53,15 +53,15 @@ from .comm._errors import CollectiveError, publish, user_site
 from .comm._world import get_rank, get_world_size
 
 # NOTE [no agreement in a pipelined step]
-# In a pipelined step (sbpflow/nn/_pipeline_runtime.py) the ranks run the
+# In a pipelined step (sbpflow/nn/pipeline/runtime/) the ranks run the
 # forwards and backwards of different micro-batches at the same time, so a
 # world-wide agreement per ``to_global`` would pair calls of different
 # micro-batches and make every rank wait for the slowest: the stages would not
-# overlap. The runtime turns the boxing agreement off for the step. The ranks
+# overlap. So boxing skips the agreement while a step runs (``tensor.py`` asks
+# the step context, NOTE [pipeline step context] in _step_context.py). The ranks
 # still agree by construction (every rank runs the same ``build`` on the same
 # micro-batches); a disagreement then surfaces as a timeout naming each rank's
 # call (NOTE [what the ranks were doing]) instead of a prompt error.
-boxing_agreement = True
 
 MAX_DIMS = 16
 _HEADER = 8

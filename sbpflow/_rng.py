@@ -24,12 +24,29 @@
 #   split ranks slices of one draw (see NOTE [random ops] in ops/nn_random.py).
 # A call given an explicit ``generator=`` uses it as given and leaves the state
 # alone: keeping that generator in step across ranks is then the caller's job.
+#
+# NOTE [micro-batch random streams]
+# A graph step with gradient accumulation runs ``build`` once per micro-batch,
+# and a pipeline schedule runs the micro-batches' work interleaved (a rank with
+# several stages starts micro-batch 1 before micro-batch 0's build is done). So
+# that the values drawn do not depend on that order, each micro-batch draws
+# from a stream of its own: seed ``stream_seed(stream_seed(seed, offset), k)``
+# for micro-batch k (seed and offset where the program is at the call),
+# positions from 0. The stream is a context variable set in the micro-batch's
+# ``contextvars.Context`` (NOTE [pipeline step context] in _step_context.py),
+# so it follows the micro-batch onto whatever thread runs it. After the step
+# the program's offset advances by everything the streams drew. A staged graph
+# thus draws exactly what the same graph without stages draws, whatever its
+# schedule. With one micro-batch there is no stream: ``build`` draws from the
+# program's state directly, as eager code does.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,11 +57,17 @@ from ._compiling import compiling
 from ._global import GlobalTensor
 
 __all__ = [
+    "RandomStream",
+    "advance",
+    "current_stream",
     "draw_numel",
     "draws",
     "generator",
     "manual_seed",
+    "microbatch_streams",
     "next_generator",
+    "position",
+    "set_stream",
     "skip",
     "state",
     "stream_seed",
@@ -95,6 +118,49 @@ class RandomOpWhileTracing(UnsupportedFakeTensorException):
         return self.reason
 
 
+@dataclass
+class RandomStream:
+    """One micro-batch's random positions (NOTE [micro-batch random streams])."""
+
+    seed: int
+    offset: int = 0
+
+
+_stream: contextvars.ContextVar[RandomStream | None] = contextvars.ContextVar(
+    "sbpflow_random_stream", default=None
+)
+
+
+def microbatch_streams(count: int) -> list[RandomStream]:
+    """A stream for each of ``count`` micro-batches, derived from where the program is now."""
+    base = stream_seed(_seed, _offset)
+    return [RandomStream(stream_seed(base, k)) for k in range(count)]
+
+
+def set_stream(stream: RandomStream | None) -> None:
+    """Draw from ``stream`` in the current ``contextvars.Context`` (None: the program's state)."""
+    _stream.set(stream)
+
+
+def current_stream() -> RandomStream | None:
+    """The stream the current ``contextvars.Context`` draws from, if any."""
+    return _stream.get()
+
+
+def advance(numel: int) -> None:
+    """Move the program's state past ``numel`` positions (what a step's streams drew)."""
+    global _offset
+    _offset += numel
+
+
+def position() -> tuple[int, int]:
+    """``(seed, offset)`` where the next random op in this context reads (its stream's, if any)."""
+    stream = _stream.get()
+    if stream is not None:
+        return stream.seed, stream.offset
+    return _seed, _offset
+
+
 def take(numel: int) -> tuple[int, int]:
     """Claim ``numel`` positions for one random op; return ``(seed, offset)`` of the first."""
     global _offset
@@ -106,6 +172,11 @@ def take(numel: int) -> tuple[int, int]:
             "breaks the graph and runs it eagerly; with fullgraph=True, call it outside the "
             "compiled function, or compile the model in eval() mode / with dropout p=0."
         )
+    stream = _stream.get()
+    if stream is not None:
+        start = stream.offset
+        stream.offset += numel
+        return stream.seed, start
     start = _offset
     _offset += numel
     return _seed, start

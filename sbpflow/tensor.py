@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _devices, _dispatch, _meta_check, _saving
+from . import _devices, _dispatch, _meta_check, _saving, _step_context
 from ._bounded import BoundedDict
 from ._compiling import graph_break
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
@@ -127,7 +127,7 @@ def _repr(self: GlobalTensor, *, tensor_contents: Any = None) -> str:
 
 def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
     """Every rank must box the same (layout, shape, dtype) to the same destination."""
-    if not _meta_check.boxing_agreement:
+    if _step_context.current.get() is not None:
         return  # inside a pipelined step (NOTE [no agreement in a pipelined step])
     key = (x._layout, dst, tuple(x.shape), x.dtype)
     mine = _boxing_metas.get(key)

@@ -7,6 +7,8 @@ ranks never diverge in which collectives they enter.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from .._layout import Layout, box_shape, empty_local_shape, member_sizes, relative
@@ -17,16 +19,19 @@ from ._transfer import transfer_pieces
 from .plan import BoxingPlan, BoxingStep
 
 
-def execute(plan: BoxingPlan, local: torch.Tensor, rank: int) -> torch.Tensor:
+def execute(
+    plan: BoxingPlan, local: torch.Tensor, rank: int, lane: tuple[Hashable, int] | None = None
+) -> torch.Tensor:
     """Turn this rank's ``local`` piece of ``plan.src`` into its piece of ``plan.dst``.
 
-    ``local`` is never modified in place.
+    ``local`` is never modified in place. Transfers between placements go on
+    ``lane`` (NOTE [lanes] in sbpflow/comm/_p2p.py).
     """
     owned = False  # whether `local` is a buffer this plan made (safe to reuse)
     ran: list[str] = []
     for step in plan.steps:
         before = local
-        local, took_part = _run_step(step, plan.shape, local, rank, owned)
+        local, took_part = _run_step(step, plan.shape, local, rank, owned, lane)
         # A slice is a view: of the caller's tensor until some step made a buffer.
         owned = owned or (local is not before and step.op != "slice")
         if took_part:
@@ -43,10 +48,15 @@ def execute(plan: BoxingPlan, local: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _run_step(
-    step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int, owned: bool
+    step: BoxingStep,
+    shape: tuple[int, ...],
+    local: torch.Tensor,
+    rank: int,
+    owned: bool,
+    lane: tuple[Hashable, int] | None = None,
 ) -> tuple[torch.Tensor, bool]:
     if not step.axes:  # send_recv or copy between placements
-        return _run_transfer(step, shape, local, rank), True
+        return _run_transfer(step, shape, local, rank, lane), True
     src, dst = step.src, step.dst
     pl = src.placement
     # One group per combination of the other axes' coordinates; with several
@@ -106,7 +116,11 @@ def _zero(
 
 
 def _run_transfer(
-    step: BoxingStep, shape: tuple[int, ...], local: torch.Tensor, rank: int
+    step: BoxingStep,
+    shape: tuple[int, ...],
+    local: torch.Tensor,
+    rank: int,
+    lane: tuple[Hashable, int] | None = None,
 ) -> torch.Tensor:
     src, dst = step.src, step.dst
     _functional.refuse_traced(f"boxing from {src.describe()} to {dst.describe()}", local)
@@ -140,7 +154,7 @@ def _run_transfer(
             )
     involved = set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)
     buffers = [(peer, buffer) for peer, buffer, _ in recvs]
-    collectives.exchange(sends, buffers, dst.placement.type, sorted(involved))
+    collectives.exchange(sends, buffers, dst.placement.type, sorted(involved), lane)
     for _, buffer, target in recvs:
         if buffer is not out:
             assert out is not None

@@ -11,14 +11,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ._world import ensure_initialized, on_teardown, timeout_delta
 
-_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+_groups: dict[tuple[str, tuple[int, ...], Hashable], dist.ProcessGroup | None] = {}
 
 
 def backend_for(device_type: str) -> str:
@@ -26,20 +26,21 @@ def backend_for(device_type: str) -> str:
 
 
 def group_of(
-    device_type: str, groups: Sequence[tuple[int, ...]], rank: int
+    device_type: str, groups: Sequence[tuple[int, ...]], rank: int, lane: Hashable = None
 ) -> tuple[tuple[int, ...], dist.ProcessGroup | None] | None:
     """Create (once) every group in ``groups``; return ``rank``'s group and its handle.
 
     Returns ``None`` when ``rank`` is in none of them. The handle is ``None`` for
-    a group of one rank (nothing to communicate).
+    a group of one rank (nothing to communicate). A ``lane`` other than ``None``
+    asks for a group of its own for the same ranks (NOTE [lanes] in _p2p.py).
     """
     ensure_initialized()
     backend = backend_for(device_type)
     mine = None
     for ranks in groups:
-        key = (backend, tuple(ranks))
+        key = (backend, tuple(ranks), lane)
         if key not in _groups:
-            _groups[key] = _new_group(backend, ranks)
+            _groups[key] = _new_group(backend, ranks, own=lane is not None)
         if rank in ranks:
             mine = (tuple(ranks), _groups[key])
     return mine
@@ -110,12 +111,12 @@ def world_group(device_type: str) -> dist.ProcessGroup | None:
     return found[1]
 
 
-def _new_group(backend: str, ranks: Sequence[int]) -> dist.ProcessGroup | None:
+def _new_group(backend: str, ranks: Sequence[int], own: bool = False) -> dist.ProcessGroup | None:
     world_size = dist.get_world_size()
     if len(ranks) == 1 and backend == "gloo":
         return None
     world = tuple(range(world_size))
-    if backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
+    if not own and backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
         return dist.group.WORLD
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).

@@ -32,13 +32,26 @@
 # ``wait`` orders the current stream after the transfer instead of blocking.
 # Each transfer is reported to the block's ``observer`` (direction, peer,
 # bytes, wait start and end) so the runtime can record what ran.
+#
+# NOTE [lanes]
+# Messages between two ranks on one group are matched in posting order, so a
+# pipeline whose ranks post two kinds of message in different orders (zero
+# bubble with several stages per rank sends stage 2's gradient before stage 0's
+# next activation, while the receiver needs the activation first) would hand
+# one message's data to the other's receive. A transfer may name a lane:
+# ``(key, 0)`` for a tensor's move in forward, ``(key, 1)`` for its gradient's
+# move back. Each lane is a process group of its own over the same ranks, so
+# messages are matched in order within a lane only. The two lanes of a key are
+# created together at the first use of either (a forward, in program order on
+# every rank: NOTE [group creation order] in _groups.py), each started with the
+# warm-up all_reduce below while all their members are in that forward transfer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +61,9 @@ from ._errors import named
 from ._groups import group_of
 from ._world import device_for, ensure_initialized, on_teardown
 
-_ready: set[tuple[str, tuple[int, ...]]] = set()  # (device type, members): warmed up for P2P
+_ready: set[tuple[str, tuple[int, ...], Hashable]] = (
+    set()
+)  # (device type, members, lane): warmed up
 on_teardown(_ready.clear)
 
 
@@ -114,32 +129,43 @@ def exchange(
     recvs: Sequence[tuple[int, torch.Tensor]],
     device_type: str,
     ranks: Sequence[int],
+    lane: tuple[Hashable, int] | None = None,
 ) -> None:
     """Send each ``(peer, tensor)`` and receive into each ``(peer, buffer)``, within ``ranks``.
 
     ``ranks``: every rank of the transfer (source and destination placements);
     peers are world ranks among them. Every world rank calls this (NOTE
-    [transfer groups]); a rank outside ``ranks`` passes no pieces.
+    [transfer groups]); a rank outside ``ranks`` passes no pieces. ``lane``:
+    ``(key, 0 or 1)``, a group of its own for these ranks (NOTE [lanes]).
     """
     members = tuple(sorted(set(ranks)))
     if len(members) == 1:  # a copy within one rank: no group (every rank skips it alike)
         assert not sends and not recvs, f"pieces to send within the one rank {members[0]}"
         return
     ensure_initialized()
-    found = group_of(device_type, [members], dist.get_rank())
+    rank = dist.get_rank()
+    lanes = [lane] if lane is None else [(lane[0], 0), (lane[0], 1)]  # both lanes of a key
+    found = None
+    for each in lanes:
+        got = group_of(device_type, [members], rank, each)
+        if got is not None and (device_type, members, each) not in _ready:
+            with named(
+                "send_recv", members
+            ):  # the group's first collective (NOTE [transfer groups])
+                dist.all_reduce(torch.zeros(1, device=device_for(device_type)), group=got[1])
+            _ready.add((device_type, members, each))
+        if each == lane:
+            found = got
     if found is None:
         assert not sends and not recvs, f"pieces to move outside the ranks {list(members)}"
         return
     handle = found[1]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=handle) for peer, t in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group=handle) for peer, buf in recvs]
     with named("send_recv", members):
-        if (device_type, members) not in _ready:
-            dist.all_reduce(torch.zeros(1, device=device_for(device_type)), group=handle)
-            _ready.add((device_type, members))
         if _deferred is not None:
             _post(_deferred, sends, recvs, handle)
-        elif ops:
+        elif sends or recvs:
+            ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=handle) for peer, t in sends]
+            ops += [dist.P2POp(dist.irecv, buf, peer, group=handle) for peer, buf in recvs]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 

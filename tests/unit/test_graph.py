@@ -19,8 +19,8 @@ from torch import nn
 
 import sbpflow
 from sbpflow.nn import Block, BlockConfig, Graph
-from sbpflow.nn._microbatch import mean_outputs, split_microbatches
 from sbpflow.nn.pipeline import SCHEDULE_NAMES, build_schedule
+from sbpflow.nn.pipeline.runtime._microbatch import mean_outputs, split_microbatches
 
 P = [sbpflow.placement("cpu", [r]) for r in range(4)]
 
@@ -161,10 +161,22 @@ def _staged(placements: list[sbpflow.Placement], ids: list[int], steps: int) -> 
     return graph
 
 
+def test_last_step_before_a_pipelined_call_says_why() -> None:
+    """Without stages it names set_stage; with stages but no call yet it says to call first."""
+    with pytest.raises(
+        ValueError, match=r"Holder has no pipelined step.*no pipeline stages.*set_stage"
+    ):
+        Holder(Chain(2)).last_step()
+    with pytest.raises(ValueError, match=r"has not been called yet; call the graph first"):
+        _staged([P[0], P[1]], [0, 1], steps=2).last_step()
+
+
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_schedule_is_the_pure_schedule_for_the_configured_stages(name: str) -> None:
     """graph.schedule() equals build_schedule for the stages' first ranks and micro-batches."""
     placements = [P[0], P[1], P[0], P[1]] if name == "interleaved_1f1b" else [P[0], P[1], P[2]]
+    if name in ("zbv", "dualpipev"):  # two stages per rank, as a V
+        placements = [P[0], P[1], P[1], P[0]]
     graph = _staged(placements, list(range(len(placements))), steps=4)
     graph.config.set_pipeline_schedule(name)
     want = build_schedule(name, len(placements), [p.flat_ranks[0] for p in placements], 4)
@@ -332,7 +344,7 @@ def test_mean_outputs_keeps_structure() -> None:
 def test_enable_compile_sets_and_restores_compiled_forwards() -> None:
     """``compile_forwards`` gives a module a compiled forward (same values as eager), keeps it
     for the same options, and ``None`` (``enable_compile(False)``) puts the module's own back."""
-    from sbpflow.nn._compiled_stages import compile_forwards
+    from sbpflow.nn.pipeline.runtime._compiled import compile_forwards
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)

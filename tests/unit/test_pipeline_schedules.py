@@ -330,7 +330,16 @@ def test_stage_ranks_as_mapping_or_pairs_give_the_same_schedule() -> None:
     assert build_schedule("1f1b", 3, {2: 5, 0: 4, 1: 6}, 3) == as_list
     assert build_schedule("1f1b", 3, [(1, 6), (0, 4), (2, 5)], 3) == as_list
     assert as_list.ranks == (4, 6, 5)
-    assert set(SCHEDULE_NAMES) == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+    assert set(SCHEDULE_NAMES) == {
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zero_bubble",
+        "looped_bfs",
+        "interleaved_zero_bubble",
+        "zbv",
+        "dualpipev",
+    }
 
 
 # -- printing and drawing ----------------------------------------------------------------
@@ -349,6 +358,8 @@ def test_action_strings() -> None:
 def test_str_is_a_slot_table_of_compute_actions(name: str) -> None:
     """Each rank's row holds exactly its compute actions, in list order; the footer has the bubble."""
     ranks = [0, 1, 2, 3] * (2 if name == "interleaved_1f1b" else 1)
+    if name in ("zbv", "dualpipev"):  # two stages per rank, as a V
+        ranks = [0, 1, 2, 3, 3, 2, 1, 0]
     schedule = _build(name, ranks, 8)
     lines = str(schedule).splitlines()
     assert lines[0].startswith(f"{name}: {len(ranks)} stages")
@@ -366,6 +377,8 @@ def test_str_is_a_slot_table_of_compute_actions(name: str) -> None:
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_html_is_well_formed_with_one_lane_per_rank(name: str) -> None:
     ranks = [0, 1, 2] * (2 if name == "interleaved_1f1b" else 1)
+    if name in ("zbv", "dualpipev"):
+        ranks = [0, 1, 2, 2, 1, 0]
     schedule = _build(name, ranks, 6)
     root = ET.fromstring(schedule._repr_html_())
     svg = root.find(f"{SVG}svg")

@@ -12,8 +12,23 @@ from .schedule import Schedule
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULE_NAMES", "build_schedule"]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_NAMES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "zero_bubble",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv",
+    "dualpipev",
+)
 DEFAULT_SCHEDULE = "1f1b"
+# How a schedule lays its stages on its ranks: one each; dealt round-robin (stage s on
+# the (s % p)-th rank); or two each as a V (stage s and 2p-1-s on the same rank).
+# zero_bubble takes one stage per rank, or several dealt round-robin (then it runs
+# interleaved_zero_bubble's order).
+_ROUND_ROBIN = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+_V_SHAPED = ("zbv", "dualpipev")
 
 StageRanks = Sequence[int] | Mapping[int, int] | Sequence[tuple[int, int]]
 
@@ -25,10 +40,13 @@ def build_schedule(
 
     ``stage_ranks`` says where each stage runs: a list (stage ``s`` on
     ``stage_ranks[s]``), a ``{stage_id: rank}`` mapping, or ``(stage_id, rank)``
-    pairs; stage ids must be exactly ``0..num_stages-1``. ``gpipe``, ``1f1b``
-    and ``zero_bubble`` run one stage per rank; ``interleaved_1f1b`` deals the
-    stages round-robin over its ranks (``[0, 1, 0, 1]``: ranks 0 and 1 hold two
-    stages each). Pure: needs no process group.
+    pairs; stage ids must be exactly ``0..num_stages-1``. ``gpipe`` and
+    ``1f1b`` run one stage per rank; ``interleaved_1f1b``, ``looped_bfs`` and
+    ``interleaved_zero_bubble`` deal the stages round-robin over their ranks
+    (``[0, 1, 0, 1]``: ranks 0 and 1 hold two stages each), ``zero_bubble``
+    takes either; ``zbv`` and ``dualpipev`` put two stages on each rank as a V
+    (``[0, 1, 1, 0]``: rank 0 holds the first and the last stage). Pure: needs
+    no process group.
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(
@@ -38,30 +56,15 @@ def build_schedule(
     num_microbatches = _count("num_microbatches", num_microbatches)
     ranks = _stage_ranks(stage_ranks, num_stages)
     holders = list(dict.fromkeys(ranks))
-    p, v = len(holders), num_stages // len(holders)
-    if name == "interleaved_1f1b":
-        _check_round_robin(ranks, holders)
-        if num_microbatches % p:
-            raise ValueError(
-                f"interleaved_1f1b needs num_microbatches to be a multiple of the number of "
-                f"pipeline ranks ({p}), got {num_microbatches}; use "
-                f"{max(p, num_microbatches // p * p)} or {(num_microbatches // p + 1) * p}."
-            )
+    p, v, m = len(holders), num_stages // len(holders), num_microbatches
+    if name in _V_SHAPED:
+        _check_v_shape(name, ranks, holders)
+    elif name in _ROUND_ROBIN or (name == "zero_bubble" and len(holders) < len(ranks)):
+        _check_round_robin(name, ranks, holders)
     else:
         _check_one_stage_per_rank(name, ranks)
-        if name != "gpipe" and num_microbatches < num_stages:
-            raise ValueError(
-                f"{name} needs at least as many micro-batches as stages ({num_stages}), got "
-                f"num_microbatches={num_microbatches}; use more micro-batches or 'gpipe'."
-            )
-    if name == "gpipe":
-        orders = _orders.gpipe(p, num_microbatches)
-    elif name == "1f1b":
-        orders = _orders.one_f_one_b(p, num_microbatches)
-    elif name == "interleaved_1f1b":
-        orders = _orders.interleaved_1f1b(p, v, num_microbatches)
-    else:
-        orders = _orders.zero_bubble(p, num_microbatches)
+    _check_microbatches(name, num_stages, p, m, v)
+    orders = _orders_of(name, p, v, m)
     actions = {
         rank: _with_transfers(order, rank, ranks)
         for rank, order in zip(holders, orders, strict=True)
@@ -149,6 +152,50 @@ def _stage_ranks(stage_ranks: StageRanks, num_stages: int) -> tuple[int, ...]:
     return tuple(rank for _, rank in sorted(pairs))
 
 
+def _orders_of(name: str, p: int, v: int, m: int) -> list[list[Action]]:
+    if name == "gpipe":
+        return _orders.gpipe(p, m)
+    if name == "1f1b":
+        return _orders.one_f_one_b(p, m)
+    if name == "interleaved_1f1b":
+        return _orders.interleaved_1f1b(p, v, m)
+    if name == "zero_bubble":
+        return _orders.zero_bubble(p, m) if v == 1 else _orders.interleaved_zero_bubble(p, v, m)
+    if name == "looped_bfs":
+        return _orders.looped_bfs(p, v, m)
+    if name == "interleaved_zero_bubble":
+        return _orders.interleaved_zero_bubble(p, v, m)
+    if name == "zbv":
+        return _orders.zbv(p, m)
+    assert name == "dualpipev", name
+    return _orders.dualpipev(p, m)
+
+
+def _check_microbatches(name: str, num_stages: int, p: int, m: int, v: int) -> None:
+    """Raise ``ValueError`` for a micro-batch count the schedule cannot run."""
+    if name == "interleaved_1f1b" and m % p:
+        raise ValueError(
+            f"interleaved_1f1b needs num_microbatches to be a multiple of the number of "
+            f"pipeline ranks ({p}), got {m}; use {max(p, m // p * p)} or {(m // p + 1) * p}."
+        )
+    rounds = max(1, m // p)
+    if (name == "interleaved_zero_bubble" or (name == "zero_bubble" and v > 1)) and m % rounds:
+        raise ValueError(
+            f"{name} with {v} stages per rank runs the micro-batches in rounds of about {p} "
+            f"(the number of pipeline ranks), so num_microbatches must be a multiple of "
+            f"num_microbatches // {p} = {rounds}, got {m}; use {m // p * p} or "
+            f"{(m // p + 1) * p}."
+        )
+    least = {"1f1b": num_stages, "zero_bubble": num_stages, "dualpipev": num_stages}.get(name, 1)
+    if name == "zero_bubble" and v > 1:
+        least = 1
+    if m < least:
+        raise ValueError(
+            f"{name} needs at least as many micro-batches as stages ({num_stages}), got "
+            f"num_microbatches={m}; use more micro-batches or 'gpipe'."
+        )
+
+
 def _check_one_stage_per_rank(name: str, ranks: tuple[int, ...]) -> None:
     for rank in ranks:
         stages = [s for s, r in enumerate(ranks) if r == rank]
@@ -160,12 +207,23 @@ def _check_one_stage_per_rank(name: str, ranks: tuple[int, ...]) -> None:
             )
 
 
-def _check_round_robin(ranks: tuple[int, ...], holders: list[int]) -> None:
+def _check_round_robin(name: str, ranks: tuple[int, ...], holders: list[int]) -> None:
     p = len(holders)
     expected = [holders[s % p] for s in range(len(ranks))]
     if len(ranks) % p or list(ranks) != expected:
         raise ValueError(
-            f"interleaved_1f1b deals stages round-robin over its {p} ranks (stage s on "
+            f"{name} deals stages round-robin over its {p} ranks (stage s on "
             f"rank stage_ranks[s % {p}]), so stage_ranks should be {expected} with a multiple "
             f"of {p} stages; got {list(ranks)}."
+        )
+
+
+def _check_v_shape(name: str, ranks: tuple[int, ...], holders: list[int]) -> None:
+    p = len(holders)
+    expected = holders + holders[::-1]
+    if list(ranks) != expected:
+        raise ValueError(
+            f"{name} puts two stages on each of its {p} ranks as a V (stage s and stage "
+            f"{2 * p - 1} - s on the same rank), so stage_ranks should be {expected}; got "
+            f"{list(ranks)}."
         )

@@ -28,10 +28,13 @@ optimizers given to ``add_optimizer`` step once per call::
 # unset and there are fewer micro-batches than stages): each rank runs its
 # action list from ``Graph.schedule()``, the forwards of ``build`` on
 # micro-batches and their recorded backwards interleaved as the schedule says
-# (sbpflow/nn/_pipeline_runtime.py, NOTE [deferred backward]), with sends that
-# do not wait for their receiver. ``Graph.last_step()`` is the record of what
-# this rank ran, with times. Without stages (data or tensor parallelism alone)
-# the micro-batches run one after another through ``build``.
+# (runtime/, NOTE [deferred backward] in runtime/_scope.py), with sends that do
+# not wait for their receiver, and computes only the stages it holds (NOTE
+# [stages held elsewhere] in runtime/_held_elsewhere.py). ``Graph.last_step()``
+# is the record of what this rank ran, with times. Without stages (data or
+# tensor parallelism alone) the micro-batches run one after another through
+# ``build``. Either way micro-batch k draws its random numbers from a stream of
+# its own (NOTE [micro-batch random streams] in sbpflow/_rng.py).
 
 # NOTE [gradient accumulation]
 # The step's gradient is the mean over micro-batches of each micro-batch
@@ -44,18 +47,31 @@ optimizers given to ``add_optimizer`` step once per call::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..env import get_rank
+from ..._global import GlobalTensor
+from ...env import get_rank
 from ._block import Block, BlockConfig
-from ._compiled_stages import compile_forwards
-from ._microbatch import mean_outputs, split_microbatches
-from ._pipeline_runtime import run_step
-from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_ranks
-from .pipeline import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Schedule, StepRecord, build_schedule
+from .runtime import (
+    HeldElsewhere,
+    HeldHere,
+    Stage,
+    box_to_stage,
+    check_stage_ids,
+    check_stages,
+    compile_forwards,
+    finish_streams,
+    mean_outputs,
+    microbatch_contexts,
+    run_step,
+    split_microbatches,
+    stage_ranks,
+)
+from .schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, Schedule, StepRecord, build_schedule
 
 __all__ = ["Block", "BlockConfig", "Graph", "GraphConfig"]
 
@@ -154,6 +170,10 @@ class Graph:
     _optimizers: list[tuple[torch.optim.Optimizer, Any]]  # (optimizer, lr scheduler or None)
     _grad_scaler: Any
     _last_step: StepRecord | None
+    _held_elsewhere: HeldElsewhere  # stand-ins of the stages other ranks hold
+    _held_here: HeldHere  # this rank's stages that run on their pieces
+    _warned_no_stages: bool
+    _schedules: dict[tuple[Any, ...], Schedule]  # built for (name, stages, ranks, micro-batches)
 
     def __init__(self) -> None:
         object.__setattr__(self, "_blocks", {})
@@ -162,6 +182,10 @@ class Graph:
         object.__setattr__(self, "_optimizers", [])
         object.__setattr__(self, "_grad_scaler", None)
         object.__setattr__(self, "_last_step", None)
+        object.__setattr__(self, "_held_elsewhere", HeldElsewhere())
+        object.__setattr__(self, "_held_here", HeldHere())
+        object.__setattr__(self, "_warned_no_stages", False)
+        object.__setattr__(self, "_schedules", {})
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """One step on one micro-batch: forward, loss, ``loss.backward()``; return the loss."""
@@ -220,30 +244,49 @@ class Graph:
                 "self.<module>.config.set_stage(stage_id, placement) in __init__."
             )
         check_stage_ids(stages)
-        return build_schedule(
+        key = (
             self.config._schedule_for(len(stages)),
             len(stages),
-            stage_ranks(stages),
+            tuple(stage_ranks(stages)),
             self.config.gradient_accumulation_steps,
         )
+        built = self._schedules.get(key)
+        if built is None:  # a schedule is a value: build and validate it once per configuration
+            built = self._schedules[key] = build_schedule(*key)
+        return built
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stages = self._stages()
         check_stages(stages)  # the same verdict on every rank, before any communication
+        params = self._parameters()
+        if not stages:
+            self._warn_if_placed_like_stages(params)
         num_microbatches = self.config.gradient_accumulation_steps
         microbatches = split_microbatches(args, kwargs, num_microbatches)
         compile_forwards(self._compiled_modules(stages), self.config._compile_options)
-        params = self._parameters()
         earlier = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in earlier:
             p.grad = None
+        contexts = microbatch_contexts(num_microbatches)  # NOTE [micro-batch random streams]
         with _stage_inputs(stages):
             if len(stages) > 1:
                 schedule = self.schedule()
-                outputs, record = run_step(self.build, microbatches, schedule, stages, params)
+                outputs, record = run_step(
+                    self.build,
+                    microbatches,
+                    contexts,
+                    schedule,
+                    stages,
+                    self._held_elsewhere,
+                    self._held_here,
+                )
                 object.__setattr__(self, "_last_step", record)
             else:
-                outputs = [self.build(*a, **k) for a, k in microbatches]
+                outputs = [
+                    context.run(self.build, *a, **k)
+                    for (a, k), context in zip(microbatches, contexts, strict=True)
+                ]
+        finish_streams(contexts)
         _average_grads(params, earlier, num_microbatches)
         self._step()
         return mean_outputs(outputs)
@@ -256,10 +299,17 @@ class Graph:
         pipeline's picture.
         """
         if self._last_step is None:
-            raise ValueError(
-                f"{type(self).__name__} has not run a pipelined step yet; call the graph first "
-                "(a graph with two or more pipeline stages records each step)."
-            )
+            stages = self._stages()
+            if len(stages) < 2:
+                why = (
+                    f"it has {'one pipeline stage' if stages else 'no pipeline stages'}, so its "
+                    "calls run the micro-batches one after another and record nothing; mark two "
+                    "or more stages with self.<module>.config.set_stage(stage_id, placement) to "
+                    "pipeline them"
+                )
+            else:
+                why = "it has not been called yet; call the graph first, then read last_step()"
+            raise ValueError(f"{type(self).__name__} has no pipelined step to show: {why}.")
         return self._last_step
 
     # -- internals -------------------------------------------------------------------
@@ -289,6 +339,24 @@ class Graph:
             if cfg.stage_id is not None and cfg.stage_placement is not None:
                 found.append(Stage(block._name, block.origin, cfg.stage_id, cfg.stage_placement))
         return found
+
+    def _warn_if_placed_like_stages(self, params: list[torch.Tensor]) -> None:
+        """Warn once when the parameters sit on several placements but no stage is set."""
+        if self._warned_no_stages:
+            return
+        placements = list(dict.fromkeys(p.placement for p in params if isinstance(p, GlobalTensor)))
+        if len(placements) < 2:
+            return
+        object.__setattr__(self, "_warned_no_stages", True)
+        shown = ", ".join(str(p) for p in placements[:4]) + (", ..." if len(placements) > 4 else "")
+        warnings.warn(
+            f"{type(self).__name__}'s parameters sit on {len(placements)} placements ({shown}) "
+            "but no pipeline stage is set, so each call runs build on the micro-batches one "
+            "after another, every stage waiting for the previous one. To pipeline them, mark "
+            "each stage's module in __init__ with "
+            "self.<module>.config.set_stage(stage_id, placement).",
+            stacklevel=2,
+        )
 
     def _compiled_modules(self, stages: list[Stage]) -> list[torch.nn.Module]:
         """The modules ``enable_compile`` compiles on this rank: the stages it holds, or (with

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["mean_outputs", "split_microbatches"]
+__all__ = ["MicroBatchArgs", "mean_outputs", "split_microbatches"]
 
-MicroBatch = tuple[tuple[Any, ...], dict[str, Any]]
+MicroBatchArgs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def split_microbatches(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatches: int
-) -> list[MicroBatch]:
+) -> list[MicroBatchArgs]:
     """``num_microbatches`` (args, kwargs) pairs, each holding one micro-batch of every batch argument.
 
     Every batch argument is checked before any is cut, so a batch that

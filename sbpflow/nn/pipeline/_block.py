@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..placement import Placement
+from ...placement import Placement
 
 __all__ = ["Block", "BlockConfig"]
 

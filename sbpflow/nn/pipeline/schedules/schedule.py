@@ -73,6 +73,42 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
 
+    @property
+    def peak_live_microbatches(self) -> Mapping[int, int]:
+        """Per stage, the most micro-batches whose activations it holds at once.
+
+        A micro-batch is live on a stage from its forward until the backward
+        that frees its graph: B, or W for a split backward (I keeps the graph
+        for W). Read off the lists, so whatever the actions' times: the memory
+        a schedule needs, which ``StepRecord.peak_live_microbatches`` measures.
+        """
+        return {s: n for s, n in sorted(self._live_peaks()[0].items())}
+
+    @property
+    def peak_live_per_rank(self) -> Mapping[int, int]:
+        """Per rank, the most (stage, micro-batch) activations its stages hold at once."""
+        return self._live_peaks()[1]
+
+    def _live_peaks(self) -> tuple[dict[int, int], dict[int, int]]:
+        per_stage: dict[int, int] = {}
+        per_rank: dict[int, int] = {}
+        for rank in self.ranks:
+            live: dict[int, int] = {}
+            held = peak = 0
+            for a in self.actions[rank]:
+                if a.kind is ActionKind.FORWARD:
+                    delta = 1
+                elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                    delta = -1
+                else:
+                    continue
+                live[a.stage] = live.get(a.stage, 0) + delta
+                per_stage[a.stage] = max(per_stage.get(a.stage, 0), live[a.stage])
+                held += delta
+                peak = max(peak, held)
+            per_rank[rank] = peak
+        return per_stage, per_rank
+
     def simulate(
         self,
         forward_time: float = 1.0,
@@ -106,10 +142,10 @@ class Schedule:
     def _simulate(self, duration: Callable[[Action], float], comm_time: float) -> Simulation:
         done = _simulate.run(self.actions, duration, comm_time)
         if done.stuck:
-            from ._validate import validate
-
-            validate(self)  # names the problem
-            raise AssertionError("a validated schedule got stuck")  # pragma: no cover
+            raise ValueError(
+                f"schedule {self.name!r} cannot run to its end: {_simulate.describe(self.actions, done)}; "
+                "validate(schedule) names the first problem of a hand-made schedule."
+            )
         timings = tuple(ActionTiming(*t) for t in done.timings)
         makespan = max((t.end for t in timings), default=0.0)
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)

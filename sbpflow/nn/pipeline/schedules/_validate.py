@@ -11,21 +11,19 @@ is raised as a ``ValueError``:
                  arrives, B/I after F and after the incoming grad, W after I, a send
                  after the compute producing it)
   6. deadlock    the lists run with blocking receives and non-blocking sends finish
-  7. fifo        between two ranks, messages are received in the order they are sent:
-                 the runtime's transfers are matched per pair in posting order (NOTE
-                 [deferred sends] in sbpflow/comm/_p2p.py), with no tag to tell them apart
+  7. fifo        between two ranks, the activations (and the gradients) are received
+                 in the order they are sent: the runtime's transfers are matched per
+                 pair and lane in posting order (NOTE [deferred sends] and [lanes] in
+                 sbpflow/comm/_p2p.py), with no tag to tell them apart
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from . import _simulate
 from .actions import Action, ActionKind
-
-if TYPE_CHECKING:
-    from .schedule import Schedule
+from .schedule import Schedule
 
 __all__ = ["validate"]
 
@@ -193,38 +191,36 @@ def _grad_of(sch: Schedule, rank: int, a: Action) -> Action:
 
 
 def _deadlock(sch: Schedule) -> str | None:
-    stuck = _simulate.run(sch.actions, lambda action: 1.0).stuck
-    if not stuck:
+    done = _simulate.run(sch.actions, lambda action: 1.0)
+    if not done.stuck:
         return None
-    waits = "; ".join(
-        f"rank {rank} waits at {sch.actions[rank][i]} (position {i})" for rank, i in stuck.items()
-    )
     return (
-        f"deadlock with blocking receives: {waits}; each waits for a send its peer only "
+        f"{_simulate.describe(sch.actions, done)}; each waits for a send its peer only "
         "reaches after its own blocked receive. Reorder so one side sends first."
     )
 
 
 def _fifo(sch: Schedule) -> str | None:
-    sent: dict[tuple[int, int], list[_simulate.MessageKey]] = {}
-    received: dict[tuple[int, int], list[tuple[_simulate.MessageKey, Action]]] = {}
+    Lane = tuple[int, int, str]  # (sending rank, receiving rank, "activation" or "grad")
+    sent: dict[Lane, list[_simulate.MessageKey]] = {}
+    received: dict[Lane, list[tuple[_simulate.MessageKey, Action]]] = {}
     for rank, todo in sch.actions.items():
         for a in todo:
-            if a.kind.is_send:
-                assert a.peer is not None
-                sent.setdefault((rank, a.peer), []).append(_simulate.message_key(rank, a))
-            elif a.kind.is_recv:
-                assert a.peer is not None
+            if a.kind.is_transfer:
                 key = _simulate.message_key(rank, a)
-                received.setdefault((a.peer, rank), []).append((key, a))
-    for (src, dst), keys in sorted(received.items()):
-        order = sent.get((src, dst), [])
+                what, _, _, src, dst = key
+                if a.kind.is_send:
+                    sent.setdefault((src, dst, what), []).append(key)
+                else:
+                    received.setdefault((src, dst, what), []).append((key, a))
+    for (src, dst, what), keys in sorted(received.items()):
+        order = sent.get((src, dst, what), [])
         for i, (key, a) in enumerate(keys):
             if i >= len(order) or order[i] != key:
                 return (
-                    f"rank {dst} receives {a} as its message number {i} from rank {src}, but rank "
-                    f"{src} sends its messages to rank {dst} in another order; messages between "
-                    "two ranks are matched in the order they are posted: receive them in the "
-                    "order they are sent."
+                    f"rank {dst} receives {a} as its message number {i} from rank {src}, but "
+                    f"rank {src} sends its messages to rank {dst} in another order (counting "
+                    f"{what}s only: the {what}s one rank sends another are matched in the order "
+                    "they are posted); receive them in the order they are sent."
                 )
     return None

@@ -1,6 +1,6 @@
 """What a pipelined step actually ran: per-rank actions with measured times.
 
-The runtime (sbpflow/nn/_pipeline_runtime.py) fills a ``StepRecord`` on each
+The runtime (``sbpflow.nn.pipeline.runtime``) fills a ``StepRecord`` on each
 rank as it executes the schedule; ``StepRecord.combine`` joins the records of
 several ranks (returned by the ranks of a job, say) into one picture. Pure:
 no process group.

@@ -9,9 +9,9 @@
 # code; AOTAutograd compiles the matching backward. What stays eager is what a
 # graph cannot hold: the transfers between stages (``to_global`` to the next
 # placement, in ``build``), the loss, the schedule, gradient accumulation and
-# the optimizer step. A rank outside a stage's placement runs that stage's ops
-# eagerly, where they are skipped. ``enable_compile(False)`` puts the modules'
-# own ``forward`` back.
+# the optimizer step. A rank outside a stage's placement does not run the stage
+# in a pipelined step (NOTE [stages held elsewhere] in _held_elsewhere.py).
+# ``enable_compile(False)`` puts the modules' own ``forward`` back.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .._global import GlobalTensor
-from ..placement import Placement
-from ..sbp import broadcast
+from ...._global import GlobalTensor
+from ....placement import Placement
+from ....sbp import broadcast
 
 __all__ = ["Stage", "box_to_stage", "check_stage_ids", "check_stages", "stage_ranks"]
 

@@ -73,3 +73,11 @@ def run(
                 progress = True
     stuck = {rank: position[rank] for rank, todo in actions.items() if position[rank] < len(todo)}
     return Run(tuple(timings), stuck)
+
+
+def describe(actions: Mapping[int, Sequence[Action]], done: Run) -> str:
+    """Where each rank that could not finish waits (for a deadlock message)."""
+    waits = "; ".join(
+        f"rank {rank} waits at {actions[rank][i]} (position {i})" for rank, i in done.stuck.items()
+    )
+    return f"deadlock with blocking receives: {waits}"

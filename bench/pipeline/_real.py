@@ -1,0 +1,251 @@
+"""Parts 2 and 3: real compute, against torch.distributed.pipelining and across stage counts.
+
+The model: stages of ``4 x (Linear(1024, 1024), ReLU)``; batch 256 in 8 micro-batches, MSE
+loss, SGD; gloo ranks with one thread each.
+
+Part 2, 2 ranks, 2 stages: torch's ``PipelineStage`` with ``ScheduleGPipe`` /
+``Schedule1F1B`` (``loss_fn=mse_loss``; it scales each micro-batch's gradient by 1/8) and
+``sbpflow.nn.Graph`` with the schedule of the same name, and the same 2 stages on one rank
+with the same accumulation (the other rank waits). The variants are interleaved: every
+repetition runs each once, in an order rotating from one repetition to the next; a step
+starts after a barrier and its time is the slowest rank's. Host CPU per action: the CPU
+time of the rank's main thread (``time.thread_time``) in each compute action (sbpflow: the
+runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the stage).
+
+Part 3, 4 ranks: the same stages as a 2-stage pipeline (ranks 0 and 1) and as a 4-stage one
+(ranks 0-3), interleaved in one run: host CPU per forward and per backward action on each
+rank holding a stage. Stage-local execution makes it the same: a rank runs its own stage and
+stand-ins for the others.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from bench._ranks import join_world
+from sbpflow.nn.pipeline import StepRecord
+from sbpflow.nn.pipeline.runtime import _step
+from sbpflow.sbp import broadcast
+
+WIDTH, LAYERS, BATCH, M = 1024, 4, 256, 8
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_module(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class _ActionCpu:
+    """Thread CPU time per compute action kind ("F", "B") of this rank, accumulated."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {"F": [], "B": []}
+
+    def clear(self) -> None:
+        self.seconds = {"F": [], "B": []}
+
+    def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[kind].append(time.thread_time() - start)
+
+        return run
+
+
+def _sbp_graph(schedule: str, num_stages: int) -> tuple[Any, tuple[Any, Any]]:
+    placements = [sbpflow.placement("cpu", [r]) for r in range(num_stages)]
+    model = nn.Sequential(*[stage_module(s) for s in range(num_stages)])
+    for stage, placement in zip(model, placements, strict=True):
+        stage.to_global(placement, broadcast)
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            for s, placement in enumerate(placements):
+                self.model[s].config.set_stage(s, placement)
+            self.config.set_gradient_accumulation_steps(M)
+            self.config.set_pipeline_schedule(schedule)
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(self.model(x), y)
+            loss.backward()
+            return loss
+
+    torch.manual_seed(100)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    return Step(), (x.to_global(placements[0], broadcast), y.to_global(placements[-1], broadcast))
+
+
+def _torch_step(schedule: str, rank: int, cpu: _ActionCpu) -> Callable[[], None]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    module = stage_module(rank)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    stage.forward_one_chunk = cpu.timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+    stage.backward_one_chunk = cpu.timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    pipe = cls(stage, n_microbatches=M, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    torch.manual_seed(100)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+    def step() -> None:
+        if rank == 0:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _one_rank_step(rank: int) -> Callable[[], None]:
+    model = nn.Sequential(stage_module(0), stage_module(1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch.manual_seed(100)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+    def step() -> None:
+        if rank == 0:
+            for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True):
+                (F.mse_loss(model(xm), ym) / M).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return step
+
+
+def _patched_actions(cpu: _ActionCpu) -> Callable[[], None]:
+    """Time the runtime's compute actions on this rank; returns the undo."""
+    original = _step.run_action
+
+    def run_action(action: Any, scope: Any, build: Any) -> None:
+        kind = "F" if action.kind.value == "F" else "B"
+        cpu.timed(kind, original)(action, scope, build)
+
+    _step.run_action = run_action  # type: ignore[assignment]
+
+    def undo() -> None:
+        _step.run_action = original  # type: ignore[assignment]
+
+    return undo
+
+
+def _interleaved(
+    steps: dict[str, Callable[[], None]], reps: int, cpus: dict[str, _ActionCpu]
+) -> dict[str, dict[str, Any]]:
+    """Each repetition runs every step once, in an order rotating by one; warmup dropped."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    per_action: dict[str, dict[str, list[float]]] = {n: {"F": [], "B": []} for n in names}
+    for rep in range(2 + reps):
+        for i in range(len(names)):
+            name = names[(rep + i) % len(names)]
+            cpu = cpus.get(name)
+            if cpu is not None:
+                cpu.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep >= 2:
+                times[name].append(elapsed.item())
+                if cpu is not None:
+                    for kind in ("F", "B"):
+                        per_action[name][kind] += cpu.seconds[kind]
+    return {
+        n: {
+            "times": times[n],
+            "cpu_f": statistics.mean(per_action[n]["F"]) if per_action[n]["F"] else None,
+            "cpu_b": statistics.mean(per_action[n]["B"]) if per_action[n]["B"] else None,
+        }
+        for n in names
+    }
+
+
+def worker_vs_torch(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
+    join_world(rank, world, port)
+    steps: dict[str, Callable[[], None]] = {}
+    cpus: dict[str, _ActionCpu] = {}
+    graphs = {}
+    for schedule in SCHEDULES:
+        cpus[f"torch {schedule}"] = cpu = _ActionCpu()
+        steps[f"torch {schedule}"] = _torch_step(schedule, rank, cpu)
+        graph, batch = _sbp_graph(schedule, 2)
+        graphs[schedule] = graph
+        steps[f"sbpflow {schedule}"] = lambda graph=graph, batch=batch: graph(*batch)
+        cpus[f"sbpflow {schedule}"] = _ActionCpu()
+    steps["one rank"] = _one_rank_step(rank)
+    sbp_cpu = _ActionCpu()
+    undo = _patched_actions(sbp_cpu)
+
+    def sbp_step(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            sbp_cpu.clear()
+            fn()
+            cpus[name].seconds = sbp_cpu.seconds
+
+        return run
+
+    for name in list(steps):
+        if name.startswith("sbpflow"):
+            steps[name] = sbp_step(name, steps[name])
+    try:
+        results = _interleaved(steps, reps, cpus)
+    finally:
+        undo()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (results, graphs["1f1b"].last_step()))
+    if rank == 0:
+        record = StepRecord.combine(r for _, r in gathered if r.ranks)
+        queue.put(([res for res, _ in gathered], record))
+    dist.barrier()
+
+
+def worker_stage_counts(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
+    join_world(rank, world, port)
+    steps: dict[str, Callable[[], None]] = {}
+    cpus: dict[str, _ActionCpu] = {}
+    sbp_cpu = _ActionCpu()
+    for schedule in SCHEDULES:
+        for stages in (2, 4):
+            name = f"{schedule} {stages} stages"
+            graph, batch = _sbp_graph(schedule, stages)
+            cpus[name] = _ActionCpu()
+
+            def run(graph: Any = graph, batch: Any = batch, name: str = name) -> None:
+                sbp_cpu.clear()
+                graph(*batch)
+                cpus[name].seconds = sbp_cpu.seconds
+
+            steps[name] = run
+    undo = _patched_actions(sbp_cpu)
+    try:
+        results = _interleaved(steps, reps, cpus)
+    finally:
+        undo()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        queue.put(gathered)
+    dist.barrier()

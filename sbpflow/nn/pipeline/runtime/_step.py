@@ -1,0 +1,121 @@
+"""The pipeline runtime: run one step's micro-batches through ``build`` in a schedule's order.
+
+A schedule (``..schedules``) says, per rank, in which order the forwards (F),
+backwards (B, or its halves I and W) and transfers of each (stage,
+micro-batch) run. ``run_step`` runs that order on this rank and records what
+ran, with times (``StepRecord``). A rank holding one stage runs every action
+on its own thread (this module); a rank holding several hands them to
+micro-batch worker threads (NOTE [several stages on a rank] in _workers.py).
+NOTE [deferred backward], [one program, one message order] and [split
+backward] in _scope.py say how a micro-batch's work becomes those actions;
+NOTE [stages held elsewhere] in _held_elsewhere.py how a rank leaves the other
+ranks' stages alone.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ....comm import collectives
+from ....comm._world import get_rank
+from ..schedules import Action, ActionKind, Schedule, StepRecord
+from ._held_elsewhere import HeldElsewhere
+from ._held_here import HeldHere
+from ._microbatch import MicroBatchArgs
+from ._passes import Build, run_backward, run_forward, run_input_gradients, run_weight_gradients
+from ._recorder import Recorder
+from ._scope import MicroBatch, Phase, Scope
+from ._stages import Stage
+from ._workers import run_on_workers
+
+__all__ = ["compute_order", "run_step"]
+
+
+def run_step(
+    build: Build,
+    microbatches: Sequence[MicroBatchArgs],
+    contexts: Sequence[contextvars.Context],
+    schedule: Schedule,
+    stages: Sequence[Stage],
+    held_elsewhere: HeldElsewhere,
+    held_here: HeldHere,
+) -> tuple[list[Any], StepRecord]:
+    """Run ``build`` on each micro-batch in ``schedule``'s order on this rank.
+
+    ``contexts`` holds each micro-batch's ``contextvars.Context``. Returns
+    ``build``'s outputs in micro-batch order and the record of what this rank
+    ran. A rank holding no stage runs the micro-batches one after another (the
+    stages are all held elsewhere) and records nothing.
+    """
+    rank = get_rank()
+    holder = next(
+        (s.placement.flat_ranks[0] for s in stages if rank in s.placement.flat_ranks), None
+    )
+    mbs = [
+        MicroBatch(k, args, kwargs, context)
+        for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
+    ]
+    recorder = Recorder(rank, stages)
+    todo = compute_order(schedule, holder, len(mbs))
+    held = schedule.stages_of(holder) if holder is not None else ()
+    with (
+        held_elsewhere.installed(stages, rank),
+        held_here.installed(stages, rank),
+        collectives.deferred_sends(recorder.observe),
+        torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
+    ):
+        if len(held) > 1:
+            run_on_workers(todo, mbs, build, held, stages, recorder)
+        else:
+            scopes = [Scope(mb) for mb in mbs]
+            for mb, scope in zip(mbs, scopes, strict=True):
+                scope.enter(mb.context)
+            for action in todo:
+                mb = mbs[action.microbatch]
+                start = time.monotonic()
+                mb.context.run(run_action, action, scopes[action.microbatch], build)
+                recorder.add(action, start, time.monotonic())
+    for mb in mbs:
+        mb.release()
+    ranks = (rank,) if holder is not None else ()
+    timings = tuple(recorder.timings) if holder is not None else ()
+    record = StepRecord(schedule, ranks, timings, tuple(recorder.messages))
+    return [mb.output for mb in mbs], record
+
+
+def compute_order(schedule: Schedule, holder: int | None, num_microbatches: int) -> list[Action]:
+    """The compute actions this rank runs, in order (the schedule's list for its stages)."""
+    if holder is None:
+        forward, backward = ActionKind.FORWARD, ActionKind.BACKWARD
+        return [Action(kind, 0, k) for k in range(num_microbatches) for kind in (forward, backward)]
+    return [a for a in schedule.actions[holder] if a.is_compute]
+
+
+def run_action(action: Action, scope: Scope, build: Build) -> None:
+    """Run one compute action of ``scope``'s micro-batch on this thread (in its context)."""
+    mb, kind = scope.mb, action.kind
+    scope.action = action
+    try:
+        if kind is ActionKind.FORWARD:
+            run_forward(scope, build)
+        elif kind is ActionKind.BACKWARD:
+            scope.phase = Phase.BACKWARD
+            run_backward(mb.backwards)
+            mb.release()
+        elif kind is ActionKind.BACKWARD_INPUT:
+            scope.phase = Phase.INPUT
+            run_input_gradients(mb)
+        elif kind is ActionKind.BACKWARD_WEIGHT:
+            scope.phase = Phase.WEIGHT
+            run_weight_gradients(mb)
+            mb.release()
+        else:  # pragma: no cover - transfers are not compute actions
+            raise AssertionError(f"not a compute action: {action}")
+    finally:
+        scope.phase = Phase.IDLE
+        scope.action = None

@@ -1,0 +1,330 @@
+"""Several stages on one rank: each micro-batch's passes on worker threads, one running at a time.
+
+# NOTE [several stages on a rank]
+# On a rank holding stages 0 and 2, the forward of ``build`` on micro-batch k
+# computes stage 0, sends its output, receives stage 1's output and computes
+# stage 2; the schedule wants F(0, k) and F(2, k) at different times, with
+# other micro-batches' work between them. So each micro-batch runs ``build``
+# and then its recorded backward on a worker thread, and the runtime passes a
+# baton: exactly one thread runs at a time (the runtime's or one worker), so
+# the order of everything is as deterministic as on one thread. A worker runs
+# while the action it needs is the one the runtime granted it, and parks
+# (hands the baton back) where it needs another:
+#   - entering a held stage's module in forward: F(stage, k);
+#   - about to receive a tensor into this rank's placement in forward (the
+#     input of the next held stage): F(next held stage, k);
+#   - after ``build`` returns: the first backward action of k on this rank;
+#   - in a backward pass, about to receive a gradient (B, I or W of the held
+#     stage whose forward sent the tensor, noted on the autograd node in
+#     forward), and where the gradient of a held stage's output is ready (the
+#     stage's B, I or W: two held stages next to each other hand over without a
+#     transfer).
+# With a split backward (zero bubble, NOTE [split backward] in _scope.py) a
+# micro-batch has a second worker for its weight pass: the schedule may run
+# W(4, k) before I(2, k), while the first worker is parked in its input pass
+# waiting for I(2, k). The weight pass runs from the loss like the input pass
+# and parks in the same places for W; a B in a micro-batch whose backward is
+# split runs as its I then its W. The runtime grants the actions in the
+# schedule's order; a worker parked on another action than the one granted
+# means the model's stages do not follow the schedule (e.g. a stage called
+# twice) and is an error. Each worker runs in its micro-batch's
+# ``contextvars.Context`` (its scope and random stream) with the runtime's grad
+# mode and CPU autocast, and runs its backward passes on its own thread
+# (``torch.autograd.set_multithreading_enabled(False)``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .... import _step_context
+from ...._global import GlobalTensor
+from ...._layout import Layout
+from ....comm._world import get_rank
+from ..schedules import Action, ActionKind
+from ._passes import Build, run_backward, run_forward, run_input_gradients, run_weight_gradients
+from ._recorder import Recorder
+from ._scope import MicroBatch, Phase, Scope
+from ._stages import Stage
+
+__all__ = ["Baton", "Task", "run_on_workers"]
+
+_F, _B, _I, _W = (
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
+)
+_KIND_OF_PHASE = {Phase.BACKWARD: _B, Phase.INPUT: _I, Phase.WEIGHT: _W}
+
+
+class _Abort(BaseException):
+    """Unwinds a parked worker when the step fails elsewhere."""
+
+
+class Task:
+    """One worker's passes over micro-batch k, run one granted action at a time."""
+
+    def __init__(self, scope: TaskScope, body: Callable[[Task], None]) -> None:
+        self.scope = scope
+        self.k = scope.mb.index
+        self.body = body
+        self.granted: Action | None = None
+        self.need: Action | None = None  # what it waits for while parked
+        self.fwd_stage = -1  # the last held stage its forward entered
+        self.done = False
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+
+class TaskScope(Scope):
+    """The scope of a worker's pass: also knows its task."""
+
+    task: Task
+
+
+class Baton:
+    """Exactly one of the runtime's thread and the workers runs at a time."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._running: Task | None = None
+        self._aborted = False
+        self._tasks: list[Task] = []
+
+    def grant(self, task: Task, action: Action) -> None:
+        """Let ``task`` run ``action``; return when it parks or finishes (runtime's thread)."""
+        with self._cv:
+            if task.done:
+                raise RuntimeError(
+                    f"the schedule runs {action}, but micro-batch {task.k}'s forward and backward "
+                    "have already finished on this rank: the model's stages do not match the "
+                    "schedule's (is a stage skipped or called twice in build?)."
+                )
+            if task.need is not None and task.need != action:
+                raise RuntimeError(
+                    f"the schedule runs {action}, but micro-batch {task.k}'s step waits for "
+                    f"{task.need} on this rank: the model's stages do not run in the "
+                    "schedule's order (each stage once per micro-batch, in stage-id order)."
+                )
+            task.granted, task.need = action, None
+            task.scope.action = action
+            self._running = task
+            if task.thread is None:
+                context = task.scope.mb.context
+                if task.scope.phase is Phase.WEIGHT:  # the micro-batch's second worker
+                    context = context.copy()
+                task.scope.enter(context)
+                task.thread = threading.Thread(
+                    target=context.run, args=(self._work, task, _thread_state()), daemon=True
+                )
+                self._tasks.append(task)
+                task.thread.start()
+            else:
+                self._cv.notify_all()
+            self._cv.wait_for(lambda: self._running is None)
+        if task.error is not None:
+            error, task.error = task.error, None
+            raise error
+
+    def wait_for(self, task: Task, action: Action) -> None:
+        """Park ``task`` until ``action`` is granted to it (its worker thread)."""
+        if task.granted == action:
+            return
+        with self._cv:
+            task.need = action
+            self._running = None
+            self._cv.notify_all()
+            self._cv.wait_for(
+                lambda: self._aborted or (self._running is task and task.granted == action)
+            )
+            if self._aborted:
+                raise _Abort
+
+    def abort(self) -> None:
+        """Unwind every parked worker and wait for them (after a failure, or at the end)."""
+        with self._cv:
+            self._aborted = True
+            self._cv.notify_all()
+        for task in self._tasks:
+            assert task.thread is not None
+            task.thread.join(timeout=60)
+
+    def _work(self, task: Task, state: tuple[bool, bool, torch.dtype]) -> None:
+        grad, autocast, dtype = state
+        try:
+            with (
+                torch.set_grad_enabled(grad),
+                torch.autocast("cpu", dtype, enabled=autocast),
+                torch.autograd.set_multithreading_enabled(False),
+            ):
+                task.body(task)
+        except _Abort:
+            pass
+        except BaseException as error:  # handed to the runtime's thread, which raises it
+            task.error = error
+        finally:
+            with self._cv:
+                task.done = True
+                task.need = None
+                if self._running is task:
+                    self._running = None
+                self._cv.notify_all()
+
+
+class _Workers:
+    """Parks workers where their micro-batch needs another action (NOTE [several stages on a rank])."""
+
+    def __init__(self, baton: Baton, held: tuple[int, ...]) -> None:
+        self.baton = baton
+        self.held = held
+        self.rank = get_rank()
+
+    def crossing_forward(self, scope: Scope, ctx: Any, x: GlobalTensor, dst: Layout) -> None:
+        assert isinstance(scope, TaskScope)
+        task = scope.task
+        ctx.pipeline_stage = task.fwd_stage if task.fwd_stage >= 0 else min(self.held)
+        ctx.pipeline_receives_grad = self.rank in x.placement and self.rank not in dst.placement
+        if self.rank in dst.placement and self.rank not in x.placement:
+            later = [s for s in self.held if s > task.fwd_stage]
+            if later:  # the input of this rank's next stage
+                self.baton.wait_for(task, Action(_F, later[0], task.k))
+
+    def before_gradient(self, scope: Scope, ctx: Any) -> None:
+        if getattr(ctx, "pipeline_receives_grad", False):
+            self.park(scope, ctx.pipeline_stage)
+
+    def park(self, scope: Scope, stage: int) -> None:
+        """In a backward pass: wait for this pass's action on ``stage``."""
+        kind = _KIND_OF_PHASE.get(scope.phase)
+        if kind is not None and isinstance(scope, TaskScope):
+            self.baton.wait_for(scope.task, Action(kind, stage, scope.task.k))
+
+
+def run_on_workers(
+    todo: Sequence[Action],
+    mbs: Sequence[MicroBatch],
+    build: Build,
+    held: tuple[int, ...],
+    stages: Sequence[Stage],
+    recorder: Recorder,
+) -> None:
+    """Several stages on this rank: grant each worker its actions in order (NOTE [several stages on a rank])."""
+    baton = Baton()
+    workers = _Workers(baton, held)
+    split = {a.microbatch for a in todo if a.kind in (_I, _W)}
+    first_backward: dict[int, Action] = {}
+    for a in todo:
+        if a.kind in (_B, _I):
+            first_backward.setdefault(
+                a.microbatch, Action(_I, a.stage, a.microbatch) if a.microbatch in split else a
+            )
+
+    def main_pass(task: Task) -> None:
+        scope, mb = task.scope, task.scope.mb
+        run_forward(scope, build)
+        baton.wait_for(task, first_backward[task.k])
+        if task.k in split:
+            scope.phase = Phase.INPUT
+            run_input_gradients(mb)
+        else:
+            scope.phase = Phase.BACKWARD
+            run_backward(mb.backwards)
+            mb.release()
+        scope.phase = Phase.IDLE
+
+    def weight_pass(task: Task) -> None:
+        run_weight_gradients(task.scope.mb)
+        task.scope.mb.release()
+
+    def task_for(mb: MicroBatch, body: Callable[[Task], None], phase: Phase) -> Task:
+        scope = TaskScope(mb, workers)
+        scope.phase = phase
+        scope.task = task = Task(scope, body)
+        return task
+
+    mains = [task_for(mb, main_pass, Phase.IDLE) for mb in mbs]
+    weights = [task_for(mb, weight_pass, Phase.WEIGHT) for mb in mbs]
+    hooks = _stage_hooks(stages, held, workers)
+    try:
+        for action in todo:
+            k, kind = action.microbatch, action.kind
+            start = time.monotonic()
+            if kind is _B and k in split:  # runs as its two halves
+                baton.grant(mains[k], Action(_I, action.stage, k))
+                baton.grant(weights[k], Action(_W, action.stage, k))
+            else:
+                baton.grant(weights[k] if kind is _W else mains[k], action)
+            recorder.add(action, start, time.monotonic())
+            if kind is _F and mains[k].fwd_stage != action.stage:
+                raise RuntimeError(
+                    f"the schedule ran {action}, but micro-batch {k}'s build did not enter stage "
+                    f"{action.stage} on this rank (it last entered stage {mains[k].fwd_stage}): "
+                    "the model's stages do not run in the schedule's order (each stage once per "
+                    "micro-batch, in stage-id order)."
+                )
+        unfinished = sorted(
+            {t.k for t in mains if not t.done}
+            | {t.k for t in weights if t.k in split and not t.done}
+        )
+        if unfinished:
+            raise RuntimeError(
+                f"micro-batches {unfinished} did not finish their backward by the end of the "
+                "schedule on this rank: the model's stages do not match the schedule's."
+            )
+    finally:
+        for handle in hooks:
+            handle.remove()
+        baton.abort()
+
+
+def _stage_hooks(stages: Sequence[Stage], held: tuple[int, ...], workers: _Workers) -> list[Any]:
+    """Hooks on the held stages' modules: park on entry in forward, and where each output's
+    gradient is ready in backward (NOTE [several stages on a rank])."""
+    handles = []
+    for stage in stages:
+        if stage.stage_id not in held:
+            continue
+
+        def enter(module: Any, args: Any, stage_id: int = stage.stage_id) -> None:
+            scope = _worker_scope()
+            if scope is not None and scope.phase is Phase.FORWARD:
+                workers.baton.wait_for(scope.task, Action(_F, stage_id, scope.task.k))
+                scope.task.fwd_stage = stage_id
+
+        def leave(module: Any, args: Any, output: Any, stage_id: int = stage.stage_id) -> None:
+            if _worker_scope() is None:
+                return
+
+            def ready(grad: torch.Tensor) -> None:
+                scope = _worker_scope()
+                if scope is not None:
+                    workers.park(scope, stage_id)
+
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(ready)
+
+        # After the graph's hook moving the stage's inputs: that receive is still before the stage.
+        handles.append(stage.module.register_forward_pre_hook(enter))
+        handles.append(stage.module.register_forward_hook(leave))
+    return handles
+
+
+def _worker_scope() -> TaskScope | None:
+    scope = _step_context.current.get()
+    return scope if isinstance(scope, TaskScope) else None
+
+
+def _thread_state() -> tuple[bool, bool, Any]:
+    """The runtime thread's grad mode and CPU autocast, for a worker to start with."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
