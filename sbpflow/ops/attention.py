@@ -9,12 +9,15 @@
 #   q, k, v, mask S(1) -> output, logsumexp S(1)    (heads split)
 # run per rank on the local pieces. A mask (or bias) whose batch/head dim has
 # size 1 is broadcast over it and taken as B. Grouped-query attention (g query
-# heads per key/value head) splits heads too where every rank gets whole groups:
-# query heads [g*a, g*b) with key/value heads [a, b) (the balanced split gives
-# that when the ranks' shares of key/value heads times g are their shares of
-# query heads, e.g. 4 and 2 heads on 2 ranks), else only the batch. Outputs that are not per (batch,
-# head) (RNG seeds, cumulative lengths) are B. With dropout each rank would
-# draw its own mask, so dropout_p > 0 only computes broadcast.
+# heads per key/value head) splits heads too where every rank gets whole
+# groups: query heads [g*a, g*b) with key/value heads [a, b) (the balanced
+# split gives that when the ranks' shares of key/value heads times g are their
+# shares of query heads, e.g. 4 and 2 heads on 2 ranks), else only the batch.
+# Outputs that are not per (batch, head) (RNG seeds, cumulative lengths) are
+# B. In the backward ops the gradient of a tensor broadcast over the split dim
+# (multi-query key/value heads, a mask shared by every head) sums each rank's
+# queries' contributions: P. With dropout each rank would draw its own mask, so
+# dropout_p > 0 only computes broadcast.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from .._layout import balanced_sizes
 from ..sbp import SbpParallel, Split
-from ._helpers import B, bind, normalize_dim
+from ._helpers import B, P, bind, normalize_dim
 from ._registry import LocalContext, OpInfo, Strategy, TensorMeta, register
 
 aten = torch.ops.aten
@@ -118,12 +121,13 @@ def attention_rule(info: OpInfo) -> list[Strategy]:
         for dim in (0, 1):
             if not _can_split(info, dim):
                 continue
-            out.append(
-                Strategy(
-                    tuple(_along(m, query, dim) for m in info.inputs),
-                    tuple(_along(m, query, dim) for m in info.outputs),
+            outputs = tuple(_along(m, query, dim) for m in info.outputs)
+            if info.func in _BACKWARD:  # gradients of inputs broadcast over dim: sums (P)
+                outputs = tuple(
+                    P if s == B and m.ndim == 4 else s
+                    for s, m in zip(outputs, info.outputs, strict=True)
                 )
-            )
+            out.append(Strategy(tuple(_along(m, query, dim) for m in info.inputs), outputs))
     out.append(Strategy((B,) * len(info.inputs), (B,) * len(info.outputs)))
     return out
 
