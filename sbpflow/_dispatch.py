@@ -237,9 +237,9 @@ class _Fast:
     container: type | None
     local: Any  # the rule's local function, or None
     ctx: LocalContext | None
-    # The decision's fan-out gradient plan by position in ``args`` (a call that boxes
-    # nothing has no input to reverse).
-    fan_out: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The decision's gradient plan by position in ``args``, None when empty (a call that
+    # boxes nothing has no input to reverse: only fan-out inputs).
+    gradients: GradientPlan | None = None
 
 
 FAST_BOUND = 4096
@@ -296,7 +296,8 @@ def _remember_fast(
         (positions[k], tuple(positions[j] for j in sources))
         for k, sources in decision.gradients.fan_out
     )
-    _fast[key] = _Fast(op, metas, container, registered.local, ctx, fan_out)
+    gradients = GradientPlan(fan_out=fan_out) if fan_out else None
+    _fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
 
 
 # NOTE [in-place fast path]
@@ -327,8 +328,8 @@ def _writes_first_argument_only(
 
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     gt = GlobalTensor
-    if fast.fan_out:
-        apply_gradient_plan(GradientPlan(fan_out=fast.fan_out), args)
+    if fast.gradients is not None:
+        apply_gradient_plan(fast.gradients, args)
     local_args = [a._local if isinstance(a, gt) else a for a in args]
     if fast.container is _IN_PLACE and args[0]._is_view():
         refuse_detached_view_writes(func, args, kwargs)

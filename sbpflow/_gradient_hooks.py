@@ -48,25 +48,33 @@ def apply_gradient_plan(plan: GradientPlan, inputs: Sequence[Any]) -> None:
     if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return
     for k in plan.reverse:
-        _return_gradient(inputs[k])
-    for k, sources in plan.fan_out:
-        if any(_is_parameter(inputs[j]) for j in sources):
+        if _may_hook(inputs[k]):
             _return_gradient(inputs[k])
+    for k, sources in plan.fan_out:
+        # A data-parallel weight (W.t() of a broadcast parameter) fans out over the batch on
+        # every call: asked first whether it is a parameter itself, it is passed over at once.
+        t = inputs[k]
+        if _may_hook(t) and not _is_parameter(t) and any(_is_parameter(inputs[j]) for j in sources):
+            _return_gradient(t)
 
 
-def _return_gradient(t: Any) -> None:
-    if (
-        not isinstance(t, GlobalTensor)
-        or not t.requires_grad
-        or _GRADIENT_HOOK in t.__dict__
-        or t.grad_fn is None
-    ):
-        return
+def _may_hook(t: Any) -> bool:
+    """A global non-leaf that requires grad and was not looked at yet."""
+    return (
+        isinstance(t, GlobalTensor)
+        and t.requires_grad
+        and t.grad_fn is not None
+        and _GRADIENT_HOOK not in t.__dict__
+    )
+
+
+def _return_gradient(t: GlobalTensor) -> None:
     t.__dict__[_GRADIENT_HOOK] = None  # looked at once
     if t._is_view():
         base = t._base
         if isinstance(base, GlobalTensor) and base._layout.normalized() == t._layout.normalized():
-            _return_gradient(base)
+            if _may_hook(base):
+                _return_gradient(base)
             return
     if _made_by_function(t):
         return
