@@ -19,7 +19,9 @@ tensor). The first steps' losses of the two must agree.
 
 The variants are interleaved (NOTE [timing] in bench/boxing/run.py): every repetition runs
 each once, in an order rotating from one repetition to the next; a step starts after a
-barrier and its time is the slower rank's. Warmup steps are dropped. ``--runs`` repeats the
+barrier and its time is the slower rank's. Warmup steps are dropped. The CPU time of a step
+(``time.process_time``: every thread of the rank's process, gloo's included; the slower
+rank's) is shown too: the machine's other load disturbs it much less than the step time. ``--runs`` repeats the
 whole run (fresh processes); the target (sbpflow's median step at most 1.00x DTensor's) is
 judged on each run's median ratio, and the collectives and bytes of a step on sbpflow's
 being at most DTensor's.
@@ -39,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -186,19 +189,26 @@ def _variants(world: int) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[s
 
 def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     join_world(rank, world, port)
+    # DTensor's module hooks on blocks whose input needs no gradient (the first one) warn.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     variants, record = _variants(world)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(WARMUP + reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             variants[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor(
+                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
+            )
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep >= WARMUP:
-                times[name].append(elapsed.item() * 1e3)
+                times[name].append(elapsed[0].item() * 1e3)
+                cpu_times[name].append(elapsed[1].item() * 1e3)
+    record["cpu_times"] = cpu_times
     if rank == 0:
         queue.put((times, record))
     dist.barrier()
@@ -247,10 +257,18 @@ def main() -> None:
         assert abs(want - got) <= 1e-5 * max(1.0, abs(want)), f"losses differ: {want} vs {got}"
         assert not record["fallbacks"], record["fallbacks"]
         base_med = statistics.median(times[BASELINE])
-        rows = ["| variant | min ms | median ms | / DTensor (median) |", "|---|---|---|---|"]
+        cpu = {name: statistics.median(ms) for name, ms in record["cpu_times"].items()}
+        rows = [
+            "| variant | min ms | median ms | / DTensor (median) | CPU ms (median) "
+            "| CPU / DTensor |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, ms in times.items():
             med = statistics.median(ms)
-            rows.append(f"| {name} | {min(ms):.1f} | {med:.1f} | {med / base_med:.2f} |")
+            rows.append(
+                f"| {name} | {min(ms):.1f} | {med:.1f} | {med / base_med:.2f} | {cpu[name]:.1f} "
+                f"| {cpu[name] / cpu[BASELINE]:.2f} |"
+            )
         ratios.append(statistics.median(times[SBPFLOW]) / base_med)
         tables.append(rows)
         comm_rows, ok = _comm_rows(record)
