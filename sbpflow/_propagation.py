@@ -131,6 +131,9 @@ def choose(
         )
         if any(_mixes_partials(layout) for layout in ins + outs):
             continue  # sum-partial on one axis and max-partial on another: boxing can't take it
+        metas = [*inputs, *outputs]
+        if not all(_fits(layout, meta) for layout, meta in zip(ins + outs, metas, strict=True)):
+            continue  # a split of a dim the tensor lacks (a 0-dim result): no such layout
         cost = 0.0
         for want, have, meta in zip(ins, now, inputs, strict=True):
             if want.normalized() != have:
@@ -208,6 +211,10 @@ def gradient_plan(
         if sources:
             fan_out.append((k, tuple(sorted(sources))))
     return GradientPlan(tuple(reverse), tuple(fan_out))
+
+
+def _fits(layout: Layout, meta: TensorMeta) -> bool:
+    return all(s.dim < meta.ndim for s in layout.sbp if isinstance(s, Split))
 
 
 def _mixes_partials(layout: Layout) -> bool:
