@@ -71,7 +71,8 @@ _OPS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
 def _docs_example() -> str:
     """The Python block between the custom-op example's markers in docs/ops.md."""
     found = re.search(
-        r"<!-- custom-op-example:start -->\n```python\n(.*?)```\n<!-- custom-op-example:end -->",
+        r"<!-- custom-op-example:start -->\n<!-- run: launch 2 -->\n```python\n(.*?)```\n"
+        r"<!-- custom-op-example:end -->",
         _OPS_PAGE.read_text(),
         re.S,
     )
