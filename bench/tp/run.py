@@ -21,10 +21,10 @@ The variants are interleaved (NOTE [timing] in bench/boxing/run.py): every repet
 each once, in an order rotating from one repetition to the next; a step starts after a
 barrier and its time is the slower rank's. Warmup steps are dropped. The CPU time of a step
 (``time.process_time``: every thread of the rank's process, gloo's included; the slower
-rank's) is shown too: the machine's other load disturbs it much less than the step time. ``--runs`` repeats the
-whole run (fresh processes); the target (sbpflow's median step at most 1.00x DTensor's) is
-judged on each run's median ratio, and the collectives and bytes of a step on sbpflow's
-being at most DTensor's.
+rank's) is shown too: the machine's other load disturbs it much less than the step time.
+``--runs`` repeats the whole run (fresh processes); the target (sbpflow's median step at
+most 1.00x DTensor's) is judged on the median of the runs' median ratios and on the worst
+run, and the collectives and bytes of a step on sbpflow's being at most DTensor's.
 
 Usage (from the repository root)::
 
@@ -40,7 +40,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._ranks import join_world  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -192,23 +191,7 @@ def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     # DTensor's module hooks on blocks whose input needs no gradient (the first one) warn.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     variants, record = _variants(world)
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu_times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(WARMUP + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            variants[name]()
-            elapsed = torch.tensor(
-                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
-            )
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep >= WARMUP:
-                times[name].append(elapsed[0].item() * 1e3)
-                cpu_times[name].append(elapsed[1].item() * 1e3)
-    record["cpu_times"] = cpu_times
+    times, record["cpu_times"] = interleaved_step_times(variants, WARMUP, reps)
     if rank == 0:
         queue.put((times, record))
     dist.barrier()
