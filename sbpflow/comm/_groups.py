@@ -64,12 +64,33 @@ def ensure_placement_groups(placement: Any, rank: int) -> None:
     _prepared.add(placement)
 
 
+_along: dict[tuple[Any, tuple[int, ...]], tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
+
+
+def group_along(
+    placement: Any, axes: tuple[int, ...], rank: int
+) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
+    """``rank``'s group along ``axes`` of ``placement`` (a member), looked up once.
+
+    For callers that run per step: they ask here each time instead of keeping
+    the handle, so that comm holds every group handle (NOTE [teardown]).
+    """
+    key = (placement, axes)
+    found = _along.get(key)
+    if found is None:
+        mine = group_of(placement.type, placement.groups_along(axes), rank)
+        assert mine is not None, f"rank {rank} is not in {placement}"
+        found = _along[key] = mine
+    return found
+
+
 _world_handles: dict[str, dist.ProcessGroup | None] = {}
 
 
 def _forget_groups() -> None:
     """Drop the cached groups so that they are freed now (NOTE [teardown])."""
     _groups.clear()
+    _along.clear()
     _world_handles.clear()
     _prepared.clear()
 
@@ -93,8 +114,9 @@ def _new_group(backend: str, ranks: Sequence[int]) -> dist.ProcessGroup | None:
     world_size = dist.get_world_size()
     if len(ranks) == 1 and backend == "gloo":
         return None
-    if len(ranks) == world_size and tuple(ranks) == tuple(range(world_size)):
-        default_backend = dist.get_backend()
-        if backend in default_backend:
-            return dist.group.WORLD
+    world = tuple(range(world_size))
+    if backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
+        return dist.group.WORLD
+    # gloo: a group of sbpflow's own even over the whole world, never the default
+    # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
     return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())

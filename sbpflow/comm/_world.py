@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before any group exists: NOTE [teardown]
 
 # Long enough for a slow step (a large checkpoint write between collectives, a
 # first CUDA kernel compile), short enough that a hang surfaces while the user
@@ -95,7 +96,6 @@ def _init_default_group() -> None:
     if rank is None or world_size is None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout_delta())
-        atexit.register(_destroy_at_exit)
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise RuntimeError(
@@ -109,7 +109,6 @@ def _init_default_group() -> None:
         backend, store=_rendezvous(rank, world_size), rank=rank, world_size=world_size,
         timeout=timeout_delta(),
     )  # fmt: skip
-    atexit.register(_destroy_at_exit)
 
 
 def _rendezvous(rank: int, world_size: int) -> dist.Store:
@@ -172,15 +171,45 @@ def _run_world_ready() -> None:
 
 
 # NOTE [teardown]
-# gloo can abort a process at interpreter exit ("terminate called without an
-# active exception"): a group still alive then has worker threads that drop
-# finished work, and dropping a work that holds a Python-owned tensor needs
-# the GIL, which a finalizing interpreter no longer hands out, so the thread
-# is unwound through a noexcept destructor. Every group must therefore be
-# freed (its threads joined) while the interpreter still runs: at exit sbpflow
-# destroys the default group it created, then drops its own references to
-# every group (``on_teardown`` callbacks, run by an exit handler registered
-# when ``sbpflow.comm`` is imported, so after the user's own exit handlers).
+# A gloo group runs each collective on a worker thread of its own, and that
+# thread lets go of the finished work a moment after the caller's ``wait()``
+# has returned. When the caller's tensor is already gone by then (one of
+# sbpflow's temporaries: a metadata check's pair, a boxing buffer), torch has
+# handed the tensor's Python object over to the work, so letting go of the work
+# means taking the GIL to free that object. If the script ends inside that
+# moment, the interpreter is finalizing when the worker asks for the GIL;
+# Python then ends the thread (``pthread_exit``), its unwinding runs into
+# gloo's ``noexcept`` work destructor, and the process aborts after all its
+# work and output ("terminate called without an active exception", SIGABRT).
+# A core dump shows it: the main thread in ``Py_FinalizeEx``, a
+# ``pt_gloo_runloop`` thread in ``~AsyncAllreduceWork`` -> ``decref`` ->
+# ``take_gil`` -> ``PyThread_exit_thread``. The moment is longer on a busy
+# machine (the worker waits for a core), so the abort comes and goes with load.
+#
+# The cure is to join every worker thread that may hold one of sbpflow's works
+# while the interpreter still runs. A gloo group's threads stop only when the
+# group object is freed (``destroy_process_group`` unregisters it but does not
+# stop them), so:
+#   - The last exit handler (registered when ``sbpflow.comm`` is imported;
+#     handlers run in reverse order, so after the user's own) destroys the
+#     default group and with it every subgroup, whoever created it (a user who
+#     never destroys the group ``init_process_group`` made, as torch's
+#     tutorials end, is the common case), then drops sbpflow's own references
+#     (``on_teardown`` callbacks), which frees sbpflow's groups and joins their
+#     threads.
+#   - comm holds every group handle: layers above it ask for a group each time
+#     they use one (a cached look-up), so nothing a script still holds at exit
+#     (a model whose gradient sync reduces on a group) keeps a group alive.
+#   - sbpflow's gloo collectives never run on the default group (comm/_groups.py
+#     makes a group of its own over the world): anything may keep the default
+#     group alive, the user's own references, or torch's
+#     ``torch.distributed.nn.functional``, whose functions bind the default
+#     group as a default argument when first imported. That module is imported
+#     here, before any group exists, so that a later import (``torch._dynamo``
+#     imports it lazily, e.g. for a meta kernel) does not keep the default
+#     group of an ordinary script alive.
+# This is gloo's mechanism (worker threads that free finished works); NCCL
+# collectives keep using the world group, destroyed at exit with the rest.
 
 _teardown: list[Callable[[], None]] = []
 
@@ -190,18 +219,16 @@ def on_teardown(forget: Callable[[], None]) -> None:
     _teardown.append(forget)
 
 
-def _destroy_at_exit() -> None:
+def _teardown_at_exit() -> None:
+    """Destroy every process group and drop sbpflow's references to them (NOTE [teardown])."""
     if is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def _forget_at_exit() -> None:
     for forget in _teardown:
         forget()
 
 
-atexit.register(_forget_at_exit)  # at import: runs after every later-registered handler
+atexit.register(_teardown_at_exit)  # at import: runs after every later-registered handler
 
 
 def get_rank() -> int:

@@ -4,6 +4,9 @@ Variable sequence lengths give every step new shapes: 5,000 distinct shapes go
 through ``to_global`` (local -> S(0), then boxing S(0) -> B with the meta check)
 and an add, and afterwards every cache is at most its bound. The
 values are compared with plain single-process PyTorch computed in the same job.
+Filling every cache past its bound takes most of a minute on a 2-core machine, so that
+run is a soak (``python -m pytest -m soak``); the default suite runs a few shapes and
+checks that every cache keyed by shapes has a bound and stays under it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,16 @@ def _many_shapes(first: int, stop: int) -> list[int]:
     return wrong
 
 
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_every_cache_keyed_by_shapes_has_a_bound(dist_pool: DistributedPool) -> None:
+    """A few new shapes: right values, and each cache is listed with a bound it keeps."""
+    assert dist_pool.run(_many_shapes, 1, 40) == [[], []]
+    for sizes in dist_pool.run(cache_sizes):
+        for name, (size, bound) in sizes.items():
+            assert bound is not None and size <= bound, f"{name}: {size} entries, bound {bound}"
+
+
+@pytest.mark.soak
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_caches_stay_bounded_under_changing_shapes(dist_pool: DistributedPool) -> None:
     chunk = 1000  # one job per chunk keeps each well inside the pool's timeout

@@ -4,7 +4,8 @@ In a world of four, boxing between disjoint, overlapping and nested
 placements (every pair of {S(0), S(1), B, P}, uneven shapes) must give the
 pieces plain single-process PyTorch computes from the logical tensor the test
 builds itself. The point-to-point ops must name the group of the union of the
-two placements' ranks (not the default group), the group's first transfer must
+two placements' ranks (never the default group, not even for the whole world:
+NOTE [teardown]), the group's first transfer must
 start with one all_reduce entered by every member, and a rank outside both
 placements must enter no collective at all.
 """
@@ -106,7 +107,7 @@ def _check_groups(cases: list[Case], per_rank: list[list[Any]]) -> list[str]:
     problems = []
     for i, (src_ranks, dst_ranks, *_) in enumerate(cases):
         union = tuple(sorted(set(src_ranks) | set(dst_ranks)))
-        expected_group = _WORLD if len(union) == len(per_rank) else union
+        expected_group = union  # an sbpflow group, never the default one (_WORLD)
         for rank, results in enumerate(per_rank):
             calls, first = results[i][4], results[i][5]
             where = f"{case_name(cases[i])}, rank {rank}"

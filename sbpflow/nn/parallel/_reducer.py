@@ -137,7 +137,6 @@ class _Bucket:
     device: torch.device
     flat: torch.Tensor | None = None  # the gradients, then one flag per member
     divisor: int = 1  # what each gradient is divided by as it is copied in
-    groups: dict[tuple[int, ...], collectives.Group] = field(default_factory=dict)
     num_ready: int = 0
     launched: bool = False
     pending: collectives.PendingCollective | None = None
@@ -353,12 +352,7 @@ class GradientSync:
         if not axes:  # every gradient is already broadcast: nothing to reduce
             bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
             return
-        group = bucket.groups.get(axes)
-        if group is None:
-            placement = bucket.placement
-            found = _groups.group_of(placement.type, placement.groups_along(axes), rank)
-            assert found is not None  # rank is in the placement
-            group = bucket.groups[axes] = found
+        group = _groups.group_along(bucket.placement, axes, rank)  # NOTE [teardown] in comm
         bucket.pending = collectives.all_reduce_async(flat, group, "sum")
         _trace.record(None, ["all_reduce"])
 
