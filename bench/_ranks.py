@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,3 +34,29 @@ def slowest_rank_times(times: dict[str, list[float]]) -> dict[str, list[float]]:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out[name] = slowest.tolist()
     return out
+
+
+def interleaved_step_times(
+    variants: dict[str, Callable[[], Any]], warmup: int, reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step times and CPU times (ms, the slower rank's) of each variant, interleaved: every
+    repetition runs each variant once, in an order rotating from one repetition to the next,
+    each step after a barrier; the first ``warmup`` repetitions are dropped. The CPU time is
+    ``time.process_time`` (every thread of the rank's process, gloo's included)."""
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            variants[name]()
+            elapsed = torch.tensor(
+                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
+            )
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep >= warmup:
+                times[name].append(elapsed[0].item() * 1e3)
+                cpu_times[name].append(elapsed[1].item() * 1e3)
+    return times, cpu_times

@@ -9,9 +9,11 @@
 #    split dim, ...) runs it: a function of the global arguments calling other
 #    ops, which dispatch again; it may decline (NotImplemented) and go on to 3.
 # 3. Otherwise the op's SBP rule (registered per op family in ``sbpflow.ops``,
-#    see NOTE [rules]) proposes per-axis strategies; their N-D combination
-#    whose input boxing is cheapest wins, inputs are boxed to it, the op runs
-#    on local tensors, and outputs are wrapped with the strategy's output SBP.
+#    see NOTE [rules]) proposes per-axis strategies; their cheapest N-D
+#    combination wins (NOTE [choosing a strategy] in _propagation), inputs are
+#    boxed to it, the op runs on local tensors, and outputs are wrapped with
+#    the strategy's output SBP. Inputs whose gradient should come back in
+#    their own layout get a hook (NOTE [gradient plan]).
 #    An input the op writes into (in-place, schema alias ``a!``) must keep its
 #    layout: only strategies that leave it as it is qualify. The decision is
 #    cached per (op, input layouts, shapes, dtypes, arguments). A repeated
@@ -26,7 +28,6 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,19 +41,20 @@ from . import ops as _rule_families  # noqa: F401  (importing it registers every
 from ._bounded import BoundedDict
 from ._devices import move_to_device
 from ._global import GlobalTensor, Meta, meta_of, wrap
+from ._gradient_hooks import apply_gradient_plan
 from ._layout import Layout, empty_local_shape
 from ._lazy_bits import resolve_arguments
 from ._printing import logical_value
+from ._propagation import NO_GRADIENT_PLAN, GradientPlan, choose
 from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
-from .boxing.planner import plan as _plan
 from .comm import _errors, _functional, _groups
 from .comm._world import device_for, get_rank
 from .ops import _registry
 from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
-from .sbp import Broadcast, Partial
+from .sbp import Broadcast
 
 aten = torch.ops.aten
 
@@ -125,6 +127,7 @@ class _Decision:
     # The outputs' logical strides, from the meta kernel (NOTE [logical strides]); None:
     # contiguous.
     output_strides: tuple[tuple[int, ...] | None, ...]
+    gradients: GradientPlan = NO_GRADIENT_PLAN  # NOTE [gradient plan] in _propagation
 
     def output_meta(self, k: int, dtype: torch.dtype) -> Meta:
         """Tensor output ``k``'s interned metadata, with ``dtype`` (the piece's)."""
@@ -177,6 +180,8 @@ def _run_rule(
             _decisions[key] = decision
     if decision is None:  # no strategy keeps a written input's layout
         return fallback(func, args, kwargs)
+    if decision.gradients:  # plain tensors joined above require no grad: never hooked
+        apply_gradient_plan(decision.gradients, globals_)
     local_flat = list(flat)
     for i, g, layout in zip(positions, globals_, decision.input_layouts, strict=True):
         if g._layout.normalized() != layout.normalized():
@@ -205,9 +210,9 @@ def _run_rule(
         out = func(*local_args, **local_kwargs)
     if fast_key is not None:
         if not mutated:
-            _remember_fast(fast_key, out, decision, registered, ctx)
+            _remember_fast(fast_key, out, decision, registered, ctx, positions)
         elif _writes_first_argument_only(func, args, mutated, out, decision):
-            _fast[fast_key] = _Fast(func._op, (), _IN_PLACE, registered.local, ctx)
+            _fast[fast_key] = _Fast(func._op, (), _IN_PLACE, registered.local, ctx)  # no grad
     return _wrap_outputs(out, decision, globals_, mutated)
 
 
@@ -232,6 +237,9 @@ class _Fast:
     container: type | None
     local: Any  # the rule's local function, or None
     ctx: LocalContext | None
+    # The decision's gradient plan by position in ``args``, None when empty (a call that
+    # boxes nothing has no input to reverse: only fan-out inputs).
+    gradients: GradientPlan | None = None
 
 
 FAST_BOUND = 4096
@@ -270,7 +278,9 @@ def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return tuple(parts)
 
 
-def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx: Any) -> None:
+def _remember_fast(
+    key: Any, out: Any, decision: _Decision, registered: Any, ctx: Any, positions: list[int]
+) -> None:
     if isinstance(out, torch.Tensor):
         container, outs = None, [out]
     elif type(out) in (tuple, list) and all(isinstance(o, torch.Tensor) for o in out):
@@ -281,7 +291,13 @@ def _remember_fast(key: Any, out: Any, decision: _Decision, registered: Any, ctx
         return  # outputs the meta kernel gave and this one did not (masked backward outputs)
     metas = tuple(decision.output_meta(k, o.dtype) for k, o in enumerate(outs))
     op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
-    _fast[key] = _Fast(op, metas, container, registered.local, ctx)
+    # Fast calls hold globals in ``args`` only, none inside a list: input k is args[positions[k]].
+    fan_out = tuple(
+        (positions[k], tuple(positions[j] for j in sources))
+        for k, sources in decision.gradients.fan_out
+    )
+    gradients = GradientPlan(fan_out=fan_out) if fan_out else None
+    _fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
 
 
 # NOTE [in-place fast path]
@@ -312,6 +328,8 @@ def _writes_first_argument_only(
 
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     gt = GlobalTensor
+    if fast.gradients is not None:
+        apply_gradient_plan(fast.gradients, args)
     local_args = [a._local if isinstance(a, gt) else a for a in args]
     if fast.container is _IN_PLACE and args[0]._is_view():
         refuse_detached_view_writes(func, args, kwargs)
@@ -396,7 +414,8 @@ def _decide(
     placement: Placement,
     kept: list[int],
 ) -> tuple[_Decision | None, bool]:
-    """The cheapest N-D strategy; ``kept`` inputs (written in place) must keep their layout.
+    """The op's strategy (``_propagation.choose``); ``kept`` inputs (written in place) must
+    keep their layout.
 
     ``None`` when no strategy keeps them (the caller falls back). Also whether
     the rule read a float argument (then the decision holds for those values only).
@@ -436,55 +455,19 @@ def _decide(
                 )
         per_axis.append(strategies)
     current = [flat[i]._layout for i in positions]
-    best = None
-    for combo in itertools.product(*per_axis):
-        ins = tuple(
-            Layout(placement, tuple(s.inputs[k] for s in combo)) for k in range(len(positions))
-        )
-        if any(ins[k].normalized() != current[k].normalized() for k in kept):
-            continue
-        outs = tuple(
-            Layout(placement, tuple(s.outputs[k] for s in combo)) for k in range(len(output_metas))
-        )
-        if any(_mixes_partials(layout) for layout in ins + outs):
-            continue  # sum-partial on one axis and max-partial on another: boxing can't take it
-        cost = 0.0
-        for layout, have, meta in zip(ins, current, inputs, strict=True):
-            if layout.normalized() != have.normalized():
-                cost += _boxing_cost(meta, have, layout)
-        if best is None or cost < best[0]:
-            best = (cost, ins, outs)
+    choice = choose(per_axis, placement, current, inputs, output_metas, kept)
     read_floats = any(type(a) is FloatArg and a.read for a in (*info_args, *info_kwargs.values()))
-    if best is None:
+    if choice is None:
         return None, read_floats
-    decision = _Decision(best[1], best[2], output_metas, output_positions, output_strides)
+    decision = _Decision(
+        choice.input_layouts,
+        choice.output_layouts,
+        output_metas,
+        output_positions,
+        output_strides,
+        choice.gradients,
+    )
     return decision, read_floats
-
-
-def _mixes_partials(layout: Layout) -> bool:
-    return len({s.reduce_op for s in layout.sbp if isinstance(s, Partial)}) > 1
-
-
-def _boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:
-    """Estimated seconds to box an input from ``have`` to ``want`` for an op.
-
-    Turning a split or broadcast axis into a partial one is a free local step,
-    but the partial value must be reduced later; charge that reduction now so
-    ops don't pick a partial signature just because it is cheap to enter.
-    """
-    cost = _plan(meta.shape, meta.dtype, have, want).cost + 1e-9
-    new_partial = [
-        a
-        for a, (h, w) in enumerate(zip(have.sbp, want.sbp, strict=True))
-        if isinstance(w, Partial) and not isinstance(h, Partial) and want.placement.shape[a] > 1
-    ]
-    if new_partial:
-        reduced = Layout(
-            want.placement,
-            tuple(Broadcast() if a in new_partial else s for a, s in enumerate(want.sbp)),
-        )
-        cost += _plan(meta.shape, meta.dtype, want, reduced).cost
-    return cost
 
 
 def _describe(flat: list[Any]) -> str:

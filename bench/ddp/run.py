@@ -39,7 +39,6 @@ import itertools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._ranks import join_world  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
@@ -144,23 +143,7 @@ def _variants(world: int) -> dict[str, Callable[[], None]]:
 
 def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     join_world(rank, world, port)
-    variants = _variants(world)
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu_times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(WARMUP + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            variants[name]()
-            elapsed = torch.tensor(
-                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
-            )
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep >= WARMUP:
-                times[name].append(elapsed[0].item() * 1e3)
-                cpu_times[name].append(elapsed[1].item() * 1e3)
+    times, cpu_times = interleaved_step_times(_variants(world), WARMUP, reps)
     if rank == 0:
         queue.put((times, cpu_times))
     dist.barrier()

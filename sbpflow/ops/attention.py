@@ -8,10 +8,16 @@
 #   q, k, v, mask S(0) -> output, logsumexp S(0)    (batch split)
 #   q, k, v, mask S(1) -> output, logsumexp S(1)    (heads split)
 # run per rank on the local pieces. A mask (or bias) whose batch/head dim has
-# size 1 is broadcast over it and taken as B. Grouped-query attention (fewer
-# key/value heads) splits only the batch. Outputs that are not per (batch,
-# head) (RNG seeds, cumulative lengths) are B. With dropout each rank would
-# draw its own mask, so dropout_p > 0 only computes broadcast.
+# size 1 is broadcast over it and taken as B. Grouped-query attention (g query
+# heads per key/value head) splits heads too where every rank gets whole
+# groups: query heads [g*a, g*b) with key/value heads [a, b) (the balanced
+# split gives that when the ranks' shares of key/value heads times g are their
+# shares of query heads, e.g. 4 and 2 heads on 2 ranks), else only the batch.
+# Outputs that are not per (batch, head) (RNG seeds, cumulative lengths) are
+# B. In the backward ops the gradient of a tensor broadcast over the split dim
+# (multi-query key/value heads, a mask shared by every head) sums each rank's
+# queries' contributions: P. With dropout each rank would draw its own mask, so
+# dropout_p > 0 only computes broadcast.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from typing import Any
 
 import torch
 
+from .._layout import balanced_sizes
 from ..sbp import SbpParallel, Split
-from ._helpers import B, bind, normalize_dim
+from ._helpers import B, P, bind, normalize_dim
 from ._registry import LocalContext, OpInfo, Strategy, TensorMeta, register
 
 aten = torch.ops.aten
@@ -51,6 +58,8 @@ def _along(meta: TensorMeta, query: TensorMeta, dim: int) -> SbpParallel:
     """S(dim) for a tensor that runs along the query's batch/head dim ``dim``, else B."""
     if meta.ndim >= 2 and meta.shape[dim] == query.shape[dim] and meta.shape[:2] != (1, 1):
         return Split(dim)
+    if dim == 1 and meta.ndim == 4 and meta.shape[1] > 1:
+        return Split(1)  # grouped-query key/value heads (_can_split checked the groups)
     return B  # a mask broadcast over this dim, a seed, cumulative lengths
 
 
@@ -59,9 +68,29 @@ def _can_split(info: OpInfo, dim: int) -> bool:
     for meta in info.inputs:
         if meta.ndim != 4:
             continue  # 0-dim seeds, 1-D cumulative lengths
-        if meta.shape[dim] not in (1, query.shape[dim]):
-            return False  # grouped-query key/value heads
+        size = meta.shape[dim]
+        if size not in (1, query.shape[dim]) and not (
+            dim == 1 and _groups_stay_whole(query.shape[1], size, info.mesh_axis_size)
+        ):
+            return False
     return query.shape[dim] > 1
+
+
+def _groups_stay_whole(num_heads: int, num_kv_heads: int, num_ranks: int) -> bool:
+    """Whether splitting ``num_heads`` query heads and ``num_kv_heads`` key/value heads over
+    ``num_ranks`` gives every rank whole groups: query heads ``[g*a, g*b)`` where it holds
+    key/value heads ``[a, b)``, ``g`` query heads per key/value head (NOTE [attention splits])."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return False
+    group = num_heads // num_kv_heads
+    return all(
+        q == group * kv
+        for q, kv in zip(
+            balanced_sizes(num_heads, num_ranks),
+            balanced_sizes(num_kv_heads, num_ranks),
+            strict=True,
+        )
+    )
 
 
 def _dropout(info: OpInfo) -> float:
@@ -92,12 +121,13 @@ def attention_rule(info: OpInfo) -> list[Strategy]:
         for dim in (0, 1):
             if not _can_split(info, dim):
                 continue
-            out.append(
-                Strategy(
-                    tuple(_along(m, query, dim) for m in info.inputs),
-                    tuple(_along(m, query, dim) for m in info.outputs),
+            outputs = tuple(_along(m, query, dim) for m in info.outputs)
+            if info.func in _BACKWARD:  # gradients of inputs broadcast over dim: sums (P)
+                outputs = tuple(
+                    P if s == B and m.ndim == 4 else s
+                    for s, m in zip(outputs, info.outputs, strict=True)
                 )
-            )
+            out.append(Strategy(tuple(_along(m, query, dim) for m in info.inputs), outputs))
     out.append(Strategy((B,) * len(info.inputs), (B,) * len(info.outputs)))
     return out
 

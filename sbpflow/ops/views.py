@@ -283,7 +283,7 @@ def index_select_rule(info: OpInfo) -> list[Strategy]:
     ndim = info.inputs[0].ndim
     dim = normalize_dim(info.args[1], ndim)
     out = [strategy(info, {"self": Split(d)}, (Split(d),)) for d in range(ndim) if d != dim]
-    if info.inputs[1].ndim == 1:
+    if info.inputs[1].ndim == 1 and info.outputs[0].ndim > dim:  # a 0-dim self gives 0 dims
         out.append(strategy(info, {"index": Split(0)}, (Split(dim),)))
     out.append(strategy(info, {}, (B,)))
     out.append(strategy(info, {"self": P}, (P,)))

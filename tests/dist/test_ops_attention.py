@@ -106,3 +106,52 @@ def test_attention_and_padding_split_run_locally(dist_pool: DistributedPool) -> 
             assert why is None, f"rank {rank}, {name}: {why}"
             assert fallbacks == [], f"rank {rank}, {name}: fell back on {fallbacks}"
             assert collectives == {}, f"rank {rank}, {name}: ran {collectives}"
+
+
+def _grouped_query_cases() -> list[tuple[str, int, int]]:
+    """(name, query heads, key/value heads): grouped-query and multi-query attention."""
+    return [("gqa 4/2", 4, 2), ("gqa 8/4", 8, 4), ("gqa 6/3", 6, 3), ("mqa 4/1", 4, 1)]
+
+
+def run_grouped_query_cases(ranks: Any) -> list[tuple[str, str | None, list[str], dict, str]]:
+    """Worker: query, key and value given split on heads (key/value heads fewer); per case
+    (name, mismatch or None, fallbacks, collectives inside the op, the output's SBP)."""
+    pl = placement(ranks)
+    out = []
+    for name, heads, kv_heads in _grouped_query_cases():
+        q = _randn(2, heads, 5, 3, seed=heads)
+        k, v = _randn(2, kv_heads, 6, 3, seed=20 + kv_heads), _randn(2, kv_heads, 6, 3, seed=30)
+
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        leaves = _leaves([make(t, pl, _layout(t, S1), 10 + i) for i, t in enumerate((q, k, v))])
+        with sbpflow.boxing.trace() as t:
+            result = fn(*leaves)
+        collectives, fallbacks = dict(t.collectives()), list(t.fallbacks)
+        (result * make(logical(result), pl, B)).sum().backward()
+        got = [logical(result), *(logical(x.grad) for x in leaves)]
+        want = _with_grads(fn, q, k, v)
+        out.append((name, mismatch(got, want), fallbacks, collectives, sbp_name(result.sbp[0])))
+    return out
+
+
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_grouped_query_attention_splits_heads_in_whole_groups(dist_pool: DistributedPool) -> None:
+    """Key/value heads fewer than query heads: with the heads split so that every rank holds
+    whole groups (its query heads and exactly their key/value heads), attention runs locally;
+    otherwise it is laid out another way. Values and gradients equal torch either way."""
+    world_size = dist_pool.world_size
+    # (4/2 on 4 ranks would give the ranks 1,1,1,1 query heads and 1,1,0,0 key/value heads.)
+    local = {2: {"gqa 4/2", "gqa 8/4", "mqa 4/1"}, 4: {"gqa 8/4", "mqa 4/1"}}[world_size]
+    for rank, per_rank in enumerate(
+        dist_pool.run(run_grouped_query_cases, list(range(world_size)))
+    ):
+        for name, why, fallbacks, collectives, sbp in per_rank:
+            where = f"rank {rank}, {name} on {world_size} ranks"
+            assert why is None, f"{where}: {why}"
+            assert fallbacks == [], f"{where}: fell back on {fallbacks}"
+            if name in local:
+                assert (collectives, sbp) == ({}, "S(1)"), f"{where}: ran {collectives}, {sbp}"
+            else:
+                assert collectives, f"{where}: split heads across groups with no collective"
