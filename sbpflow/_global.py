@@ -33,13 +33,14 @@ from ._compiling import never_a_compiled_frame
 from ._layout import Layout
 from .comm._world import get_rank
 from .placement import Placement
-from .sbp import NdSbp
+from .sbp import Broadcast, NdSbp
 
 __all__ = [
     "GlobalTensor",
     "Meta",
     "as_global_grad",
     "bind_dispatcher",
+    "bind_gradient_discovery",
     "drop_grad_layout_hook",
     "is_global",
     "keep_grad_layout",
@@ -359,10 +360,14 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
     so ``optimizer.step()`` is purely local.
 
-    A parameter whose gradients a ``sbpflow.nn.parallel.GradientSync`` reduces
-    carries ``_grad_sync``: the hook then leaves the gradient as it arrives and
-    the sync reduces it in buckets (NOTE [bucketed gradient sync] there), so no
-    gradient is reduced twice.
+    A gradient that arrives partial on an axis where the leaf is broadcast
+    (data parallelism) marks the leaf, and after AccumulateGrad the leaf is
+    shown to the gradient discovery that ``sbpflow.nn.parallel`` binds: from
+    then on a ``GradientSync`` reduces its gradients in buckets (NOTE [data
+    parallel by default] there). The sync removes these hooks while it reduces
+    (``drop_grad_layout_hook``) and marks the leaf ``_grad_sync``, so no gradient
+    is reduced twice. Inside ``no_sync()`` (``_no_sync_depth``) such a gradient
+    is left partial.
     """
     if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
         return
@@ -378,19 +383,62 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
         own: Layout = attrs["_meta"].layout
         if not isinstance(grad, GlobalTensor) or grad._layout == own:
             return None
+        if _partial_on_a_data_axis(grad._layout, own):
+            attrs["_grad_arrived_partial"] = True
+            if attrs.get("_no_sync_depth"):
+                return None  # accumulated as it is, reduced after the no_sync() block
         # The ranks agree by construction (the same backward on every rank): no meta check.
         return grad.to_global(own.placement, own.sbp, check_meta=False)
 
     leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
+    handle = leaf.register_post_accumulate_grad_hook(_after_accumulate)
+    leaf._grad_discovery_hook = handle  # type: ignore[attr-defined]
+
+
+def _partial_on_a_data_axis(grad: Layout, own: Layout) -> bool:
+    """Whether ``grad`` is not broadcast on an axis where ``own`` is, over more than one rank."""
+    if grad.placement != own.placement:
+        return False
+    shape = own.placement.shape
+    return any(
+        type(mine) is Broadcast and type(theirs) is not Broadcast and shape[axis] > 1
+        for axis, (mine, theirs) in enumerate(zip(own.sbp, grad.sbp, strict=True))
+    )
+
+
+# Bound by ``sbpflow.nn.parallel`` (NOTE [data parallel by default] there): shown each leaf
+# whose gradient arrived partial on a data axis, after AccumulateGrad.
+_gradient_discovery: Callable[[GlobalTensor], None] | None = None
+
+
+def bind_gradient_discovery(see: Callable[[GlobalTensor], None]) -> None:
+    """Show ``see`` every leaf whose gradient arrives partial on an axis where it is broadcast."""
+    global _gradient_discovery
+    _gradient_discovery = see
+
+
+def _after_accumulate(leaf: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of ``keep_grad_layout``: a marked leaf goes to discovery."""
+    attrs = leaf.__dict__
+    if not attrs.pop("_grad_arrived_partial", False):
+        return
+    if not attrs.get("_no_sync_depth"):
+        # A gradient accumulated partial inside no_sync() is still partial: box the sum.
+        grad, own = leaf.grad, attrs["_meta"].layout
+        if isinstance(grad, GlobalTensor) and grad._layout != own:
+            leaf.grad = grad.to_global(own.placement, own.sbp, check_meta=False)
+    if _gradient_discovery is not None:
+        _gradient_discovery(leaf)  # type: ignore[arg-type]
 
 
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
-    """Remove ``keep_grad_layout``'s hook from ``leaf`` (a ``GradientSync`` that reduces its
-    gradients drops it, so backward makes one Python call fewer per parameter, and calls
+    """Remove ``keep_grad_layout``'s hooks from ``leaf`` (a ``GradientSync`` that reduces its
+    gradients drops them, so backward makes fewer Python calls per parameter, and calls
     ``keep_grad_layout`` again when it stops)."""
-    handle = leaf.__dict__.pop("_grad_layout_hook", None)
-    if handle is not None:
-        handle.remove()
+    for name in ("_grad_layout_hook", "_grad_discovery_hook"):
+        handle = leaf.__dict__.pop(name, None)
+        if handle is not None:
+            handle.remove()
 
 
 def as_global_grad(grad: Any, where: str) -> GlobalTensor:
