@@ -45,6 +45,7 @@ __all__ = [
     "is_global",
     "keep_grad_layout",
     "meta_of",
+    "register_grad_hook",
     "wrap",
 ]
 
@@ -390,9 +391,29 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
         # The ranks agree by construction (the same backward on every rank): no meta check.
         return grad.to_global(own.placement, own.sbp, check_meta=False)
 
-    leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
+    leaf._grad_layout_hook = register_grad_hook(leaf, to_own_layout)  # type: ignore[attr-defined]
     handle = leaf.register_post_accumulate_grad_hook(_after_accumulate)
     leaf._grad_discovery_hook = handle  # type: ignore[attr-defined]
+
+
+def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+    """``leaf.register_hook(hook)``, also after ``torch.utils.swap_tensors``.
+
+    ``module.to(...)``/``.double()`` swap a global parameter's contents with a new tensor's
+    (``Module._apply`` swaps wrapper subclasses). The swap moves the tensor and its
+    ``__dict__`` but leaves behind the Python dict of its gradient hooks, which stays tied to
+    the old tensor: a hook added to it afterwards would never run. The dict tied to this
+    tensor is kept in its ``__dict__`` (which moves with it) and put back first.
+    """
+    attrs = leaf.__dict__
+    if not isinstance(leaf, GlobalTensor):
+        return leaf.register_hook(hook)
+    mine = attrs.get("_grad_hooks_dict")
+    if mine is not None and leaf._backward_hooks is not mine:
+        leaf._backward_hooks = mine  # re-attaches it to this tensor (it has no others)
+    handle = leaf.register_hook(hook)
+    attrs["_grad_hooks_dict"] = leaf._backward_hooks
+    return handle
 
 
 def _partial_on_a_data_axis(grad: Layout, own: Layout) -> bool:

@@ -34,9 +34,7 @@ NO_SYNC_DEPTH = "_no_sync_depth"  # in a parameter's __dict__: how many no_sync(
 def data_axes(layout: Layout) -> tuple[int, ...]:
     """The axes a parameter may be reduced over: broadcast, with more than one rank."""
     shape = layout.placement.shape
-    return tuple(
-        a for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast) and shape[a] > 1
-    )
+    return tuple(a for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast) and shape[a] > 1)
 
 
 class ReducedParam:
@@ -197,36 +195,51 @@ class GlobalParam(ReducedParam):
         return grad.to_global(own.placement, own.sbp, check_meta=False)
 
     def before_accumulate(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """Relabel a B ``.grad`` in the bucket P in place (NOTE [gradients are bucket views]), and
-        hand over ``grad`` contiguous (a weight's gradient often arrives transposed in memory,
-        and an add reading it strided is far slower than one blocked copy first)."""
-        current = self.param.grad
-        view = self.view
+        """Make the add into a B ``.grad`` local: relabel it P in place in the bucket (NOTE
+        [gradients are bucket views]; a ``.grad`` from elsewhere, e.g. the per-parameter first
+        backward, is copied in relabelled), and hand over ``grad`` contiguous (a weight's
+        gradient often arrives transposed in memory, and an add reading it strided is far
+        slower than one blocked copy first)."""
+        current, view = self.param.grad, self.view
         if (
-            not isinstance(current, GlobalTensor)
-            or not isinstance(grad, GlobalTensor)
-            or view is None
-            or current._local.data_ptr() != view.data_ptr()
-            or current.placement != grad.placement
+            isinstance(current, GlobalTensor)
+            and isinstance(grad, GlobalTensor)
+            and view is not None
+            and current._layout != grad._layout
+            and current.placement == grad.placement
         ):
-            return None
-        if current._layout != grad._layout:
-            changed = []
-            for axis, (now, new) in enumerate(zip(current.sbp, grad.sbp, strict=True)):
-                if now == new:
-                    continue
-                if not (isinstance(now, Broadcast) and new == _SUM):
-                    return None  # not B -> P: the add boxes it (correct, not in place)
-                changed.append(axis)
-            coords = current.placement.coords_of(self.rank)
-            if any(coords[axis] != 0 for axis in changed):
-                current._local.zero_()  # B -> P keeps the value on the first rank only
-            self.param.grad = wrap(
-                current._local, meta_of(grad._layout, tuple(grad.shape), grad.dtype)
-            )
-        if grad._local.is_contiguous():
+            self._relabel_partial(current, grad, view)
+        if not isinstance(grad, GlobalTensor) or grad._local.is_contiguous():
             return None
         return wrap(grad._local.contiguous(), meta_of(grad._layout, tuple(grad.shape), grad.dtype))
+
+    def _relabel_partial(
+        self, current: GlobalTensor, grad: GlobalTensor, view: torch.Tensor
+    ) -> None:
+        """``.grad`` := ``current`` laid out as ``grad`` (B -> P on the axes where they differ:
+        the value kept on the first rank of those axes, zeros elsewhere), in the bucket."""
+        changed = []
+        for axis, (now, new) in enumerate(zip(current.sbp, grad.sbp, strict=True)):
+            if now == new:
+                continue
+            if not (isinstance(now, Broadcast) and new == _SUM):
+                return  # not B -> P: the add boxes it (correct, not in place)
+            changed.append(axis)
+        coords = current.placement.coords_of(self.rank)
+        keeps = all(coords[axis] == 0 for axis in changed)
+        local = current._local
+        if local.data_ptr() == view.data_ptr():
+            if not keeps:
+                local.zero_()
+        elif local.shape == view.shape:
+            if keeps:
+                view.copy_(local)
+            else:
+                view.zero_()
+            local = view
+        else:
+            return
+        self.param.grad = wrap(local, meta_of(grad._layout, tuple(grad.shape), grad.dtype))
 
     def fill_on_arrival(self) -> None:
         grad = self.param.grad
@@ -311,4 +324,3 @@ class LocalParam(ReducedParam):
 
     def regrad(self, local: torch.Tensor) -> torch.Tensor:
         return local
-

@@ -111,7 +111,7 @@ from typing import Any
 
 import torch
 
-from ..._global import drop_grad_layout_hook, keep_grad_layout
+from ..._global import drop_grad_layout_hook, keep_grad_layout, register_grad_hook
 from ...boxing import tracing as _trace
 from ...comm import _groups, collectives
 from ...comm._world import get_rank
@@ -191,7 +191,8 @@ class GradientSync:
             if isinstance(m, GlobalParam):
                 m.param._grad_sync = self  # type: ignore[attr-defined]
                 drop_grad_layout_hook(m.param)
-            self._handles.append(m.param.register_hook(functools.partial(self._before, m)))
+            hook = functools.partial(self._before, m)
+            self._handles.append(register_grad_hook(m.param, hook))
             self._handles.append(m.param.register_post_accumulate_grad_hook(self._after))
 
     # -- public ----------------------------------------------------------------------
