@@ -9,13 +9,15 @@ the collectives boxing traced. Cases: overlap with backward, accumulation over s
 backward passes without ``no_sync``, DP x TP on a 2x2 mesh, a parameter used twice,
 gradients read between backward and step (``clip_grad_norm_``), ``torch.autograd.grad``,
 reentrant activation checkpointing, ``zero_grad`` both ways, a ``.grad`` kept by the user,
-a dtype change after the buckets were made, a backward that raised, bare leaves, and
-ranks that disagree on the parameters.
+a dtype change after the buckets were made, a backward that raised, bare leaves, ranks
+that disagree on the parameters, and a dropped model freeing its buckets.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from torch import nn
 
 import sbpflow
 from sbpflow._layout import Layout
-from sbpflow.nn.parallel import no_sync, sync_gradients
+from sbpflow.nn.parallel import DistributedDataParallel, no_sync, sync_gradients
 from sbpflow.nn.parallel._default import _check_same_order
 from sbpflow.nn.parallel._params import GlobalParam
 from sbpflow.sbp import Broadcast, Split, sbp_str
@@ -588,3 +590,37 @@ def test_no_sync_wants_a_module() -> None:
     for message in get_pool(2).run(no_sync_misuse_job):
         assert "nn.Module" in message and "str" in message, message
 
+
+
+# -- a dropped model frees its buckets -------------------------------------------------------
+
+
+def dropped_job() -> list[bool]:
+    """Whether the GradientSync of a global model and of a DDP model is freed once the model
+    (and, for DDP, the wrapper) is dropped after a few steps."""
+    placement = _world()
+    freed = []
+    for kind in ("global", "ddp"):
+        module = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        if kind == "global":
+            model: nn.Module = module.to_global(placement, B)
+            (x,) = _split_batch(placement, torch.randn(8, 64))
+        else:
+            model = DistributedDataParallel(module)
+            x = torch.randn(4, 64)
+        for _ in range(3):
+            model.zero_grad()
+            model(x).sum().backward()
+        sync = model[0].weight._grad_sync if kind == "global" else model._sync
+        alive = weakref.ref(sync)
+        del model, module, x, sync
+        gc.collect()
+        freed.append(alive() is None)
+    return freed
+
+
+def test_a_dropped_model_frees_its_buckets() -> None:
+    """The buckets (flat buffers the size of the model) go with the model: nothing keeps a
+    GradientSync alive once its global parameters, or its DDP wrapper, are gone."""
+    for freed in get_pool(2).run(dropped_job):
+        assert freed == [True, True], freed

@@ -67,6 +67,16 @@
 # B -> P, so the sum stays exact. A round whose backward pass raised never
 # reaches its end: the next round finds its callback gone and starts afresh.
 
+# NOTE [who owns a sync]
+# A ``GradientSync`` lives as long as what made it holds it: each global
+# parameter it reduces (``p._grad_sync``, in the parameter's ``__dict__``), or
+# the ``DistributedDataParallel`` wrapper. Its gradient hooks hold it weakly:
+# they are kept by the parameter's C++ autograd metadata, which the garbage
+# collector cannot see into, so a strong reference there would keep the
+# parameters, the sync and its buffers alive forever once the model is dropped
+# (sync -> parameter -> hook -> sync). The parameters are never held weakly:
+# ``torch.utils.swap_tensors`` (``module.to(...)``) refuses tensors with weakrefs.
+
 # NOTE [gradients are bucket views]
 # As torch DDP's ``gradient_as_bucket_view``: after a synced backward each
 # ``.grad`` is a view into its bucket's flat buffer (for a global parameter, a
@@ -191,9 +201,11 @@ class GradientSync:
             if isinstance(m, GlobalParam):
                 m.param._grad_sync = self  # type: ignore[attr-defined]
                 drop_grad_layout_hook(m.param)
-            hook = functools.partial(self._before, m)
-            self._handles.append(register_grad_hook(m.param, hook))
-            self._handles.append(m.param.register_post_accumulate_grad_hook(self._after))
+        # The hooks hold the sync weakly (NOTE [who owns a sync]).
+        me = weakref.ref(self)
+        for index, m in enumerate(self._members):
+            self._handles.append(register_grad_hook(m.param, _pre_hook(me, index)))
+            self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me)))
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -243,10 +255,10 @@ class GradientSync:
         """Pre-hook, before AccumulateGrad adds ``grad`` to ``.grad``."""
         if not _accumulating():
             return m.own_layout_grad(grad)
-        bucket = m.bucket
-        if bucket.flat is None:
+        if m.view is None:
             return None  # the parameter has no piece here
-        self._open_round()
+        self._open_round()  # first: it may make the buckets again
+        bucket = m.bucket
         if bucket.state is BucketState.LAUNCHED:  # it arrives again (NOTE [bucket states])
             if isinstance(m, LocalParam):
                 raise RuntimeError(
@@ -378,6 +390,25 @@ class GradientSync:
                 m.param.grad = m.reduced_grad()
             m.reset()
         bucket.state, bucket.num_ready, bucket.pending = BucketState.IDLE, 0, None
+
+
+def _pre_hook(
+    sync: weakref.ref[GradientSync], index: int
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def before_accumulate(grad: torch.Tensor) -> torch.Tensor | None:
+        me = sync()
+        return None if me is None else me._before(me._members[index], grad)
+
+    return before_accumulate
+
+
+def _post_hook(sync: weakref.ref[GradientSync]) -> Callable[[torch.Tensor], None]:
+    def after_accumulate(param: torch.Tensor) -> None:
+        me = sync()
+        if me is not None:
+            me._after(param)
+
+    return after_accumulate
 
 
 def check_bucket_cap(bucket_cap_mb: object) -> None:
