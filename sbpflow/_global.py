@@ -370,30 +370,61 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     is reduced twice. Inside ``no_sync()`` (``_no_sync_depth``) such a gradient
     is left partial.
     """
-    if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
+    if not isinstance(leaf, GlobalTensor) or leaf.__dict__.get("_grad_hooks") is not None:
         return
-    # The hook reads the leaf's attributes through its ``__dict__``, not the tensor: no
-    # reference cycle through the hook, and no weakref, which ``torch.utils.swap_tensors``
-    # (``module.to(...)`` under ``torch.__future__.set_swap_module_params_on_conversion``)
-    # refuses. A swap moves the dict and the hooks together; ``p.data = g`` updates the dict.
+    pre = register_grad_hook(leaf, _to_own_layout)
+    post = leaf.register_post_accumulate_grad_hook(_after_accumulate)
+    leaf.__dict__["_grad_hooks"] = _NotCopied((pre, post))
+
+
+# NOTE [hooks that find their leaf]
+# The hooks of ``keep_grad_layout`` are module-level functions holding nothing:
+# the pre-hook finds its leaf as the AccumulateGrad node running it
+# (``_current_autograd_node().variable``), the post-hook is given it. So no
+# reference cycle runs through the C++ hook list (which the garbage collector
+# cannot see), no weakref is taken (``torch.utils.swap_tensors``, which
+# ``module.to(...)`` uses on global parameters, refuses tensors with weakrefs),
+# and the leaf's ``__dict__`` is always the leaf's own: a swap moves it with the
+# tensor, and ``copy.deepcopy`` gives the copy a new one after its hooks were
+# registered. What the hooks keep in ``__dict__`` for their own bookkeeping
+# (handles, the hook dict) is ``_NotCopied``: a copy or an unpickled tensor has
+# hooks of its own, not these.
+class _NotCopied:
+    """A value in a tensor's ``__dict__`` that ``copy.deepcopy`` and pickling drop (to None)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+    def __reduce__(self) -> Any:
+        return (_dropped, ())
+
+
+def _dropped() -> None:
+    return None
+
+
+def _to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
+    """Pre-hook of ``keep_grad_layout`` (NOTE [hooks that find their leaf])."""
+    leaf = getattr(torch._C._current_autograd_node(), "variable", None)
+    if leaf is None:
+        return None
     attrs = leaf.__dict__
-
-    def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
-        if attrs.get("_grad_sync") is not None:
-            return None  # reduced in buckets by its GradientSync
-        own: Layout = attrs["_meta"].layout
-        if not isinstance(grad, GlobalTensor) or grad._layout == own:
-            return None
-        if _partial_on_a_data_axis(grad._layout, own):
-            attrs["_grad_arrived_partial"] = True
-            if attrs.get("_no_sync_depth"):
-                return None  # accumulated as it is, reduced after the no_sync() block
-        # The ranks agree by construction (the same backward on every rank): no meta check.
-        return grad.to_global(own.placement, own.sbp, check_meta=False)
-
-    leaf._grad_layout_hook = register_grad_hook(leaf, to_own_layout)  # type: ignore[attr-defined]
-    handle = leaf.register_post_accumulate_grad_hook(_after_accumulate)
-    leaf._grad_discovery_hook = handle  # type: ignore[attr-defined]
+    if attrs.get("_grad_sync") is not None:
+        return None  # reduced in buckets by its GradientSync
+    own: Layout = attrs["_meta"].layout
+    if not isinstance(grad, GlobalTensor) or grad._layout == own:
+        return None
+    if _partial_on_a_data_axis(grad._layout, own):
+        attrs["_grad_arrived_partial"] = True
+        if attrs.get("_no_sync_depth"):
+            return None  # accumulated as it is, reduced after the no_sync() block
+    # The ranks agree by construction (the same backward on every rank): no meta check.
+    return grad.to_global(own.placement, own.sbp, check_meta=False)
 
 
 def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
@@ -405,14 +436,14 @@ def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) 
     the old tensor: a hook added to it afterwards would never run. The dict tied to this
     tensor is kept in its ``__dict__`` (which moves with it) and put back first.
     """
-    attrs = leaf.__dict__
     if not isinstance(leaf, GlobalTensor):
         return leaf.register_hook(hook)
+    attrs = leaf.__dict__
     mine = attrs.get("_grad_hooks_dict")
-    if mine is not None and leaf._backward_hooks is not mine:
-        leaf._backward_hooks = mine  # re-attaches it to this tensor (it has no others)
+    if mine is not None and leaf._backward_hooks is not mine.value:
+        leaf._backward_hooks = mine.value  # re-attaches it to this tensor (it has no others)
     handle = leaf.register_hook(hook)
-    attrs["_grad_hooks_dict"] = leaf._backward_hooks
+    attrs["_grad_hooks_dict"] = _NotCopied(leaf._backward_hooks)
     return handle
 
 
@@ -455,10 +486,11 @@ def _after_accumulate(leaf: torch.Tensor) -> None:
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
     """Remove ``keep_grad_layout``'s hooks from ``leaf`` (a ``GradientSync`` that reduces its
     gradients drops them, so backward makes fewer Python calls per parameter, and calls
-    ``keep_grad_layout`` again when it stops)."""
-    for name in ("_grad_layout_hook", "_grad_discovery_hook"):
-        handle = leaf.__dict__.pop(name, None)
-        if handle is not None:
+    ``keep_grad_layout`` again when it stops). A deep copy's hooks have no handles here: they
+    stay, and do nothing for a leaf with a ``_grad_sync``."""
+    hooks = leaf.__dict__.pop("_grad_hooks", None)
+    if hooks is not None:
+        for handle in hooks.value:
             handle.remove()
 
 

@@ -624,3 +624,49 @@ def test_a_dropped_model_frees_its_buckets() -> None:
     GradientSync alive once its global parameters, or its DDP wrapper, are gone."""
     for freed in get_pool(2).run(dropped_job):
         assert freed == [True, True], freed
+
+
+def deepcopy_job() -> dict[str, Any]:
+    """A model trained 2 steps, then deep-copied; both trained 3 more steps on the same
+    batches: the bucket launches of each backward and the parameters of both."""
+    placement = _world()
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference).to_global(placement, B)
+    copied: nn.Module | None = None
+    launches: dict[str, list[int]] = {"model": [], "copy": []}
+    for step in range(5):
+        x, y = _micro_batches(step, 1)[0]
+        if step == 2:
+            copied = copy.deepcopy(model)
+        F.mse_loss(reference(x), y).backward()
+        gx, gy = _split_batch(placement, x, y)
+        for name, m in (("model", model), ("copy", copied)):
+            if m is None:
+                continue
+            events: list[str] = []
+            with _recording_launches(events):
+                F.mse_loss(m(gx), gy).backward()
+            launches[name].append(len(events))
+        with torch.no_grad():
+            for m in (reference, model, copied):
+                if m is None:
+                    continue
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    assert copied is not None
+    return {
+        "errors": [_errors(_logical(model), reference), _errors(_logical(copied), reference)],
+        "launches": launches,
+    }
+
+
+def test_a_deep_copy_gets_buckets_of_its_own() -> None:
+    """copy.deepcopy of a model whose gradients are in buckets: the copy's parameters join
+    buckets of their own (per-parameter for their first backward), the original keeps its
+    own, and both train as one process does."""
+    for got in get_pool(2).run(deepcopy_job):
+        assert got["errors"] == [{}, {}], got
+        assert got["launches"] == {"model": [0, 1, 1, 1, 1], "copy": [0, 1, 1]}, got

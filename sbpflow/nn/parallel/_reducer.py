@@ -207,6 +207,22 @@ class GradientSync:
             self._handles.append(register_grad_hook(m.param, _pre_hook(me, index)))
             self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me)))
 
+    def __deepcopy__(self, memo: Any) -> None:
+        """A copy of a global parameter gets no sync: its copy joins buckets of its own
+        (``copy.deepcopy(model)``); a ``DistributedDataParallel`` is not copied."""
+        self._refuse_copy()
+
+    def __reduce__(self) -> Any:
+        self._refuse_copy()
+        return (_no_sync_object, ())
+
+    def _refuse_copy(self) -> None:
+        if any(isinstance(m, LocalParam) for m in self._members):
+            raise TypeError(
+                "a DistributedDataParallel cannot be copied or pickled; copy or save the module "
+                "it wraps (ddp.module) and wrap the copy."
+            )
+
     # -- public ----------------------------------------------------------------------
     @property
     def buckets(self) -> list[list[str]]:
@@ -289,6 +305,9 @@ class GradientSync:
         buckets = self._buckets
         while self._next < len(buckets):
             nxt = buckets[self._next]
+            if nxt.flat is None:  # this rank holds no piece of it
+                self._next += 1
+                continue
             if nxt.state is BucketState.IDLE and not nxt.launched:
                 self._begin(nxt)
             if nxt.state is BucketState.FILLING and nxt.num_ready == len(nxt.members):
@@ -390,6 +409,10 @@ class GradientSync:
                 m.param.grad = m.reduced_grad()
             m.reset()
         bucket.state, bucket.num_ready, bucket.pending = BucketState.IDLE, 0, None
+
+
+def _no_sync_object() -> None:
+    return None
 
 
 def _pre_hook(
