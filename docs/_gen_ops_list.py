@@ -42,7 +42,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "padding": ("constant, reflection and replication padding", "padding.py"),
     "storage": (
-        "`as_strided` and `as_strided_scatter` on broadcast tensors (errors elsewhere)",
+        "`as_strided` and its `_copy`/`_scatter` forms on broadcast tensors that own their "
+        "storage, reading it as torch does (errors on views into a larger storage and on split "
+        "or partial tensors)",
         "storage.py",
     ),
     "factories": ("`*_like`, `new_*`, in-place fills and copies", "factories.py"),

@@ -5,7 +5,22 @@ engine turns one layout into another with collectives. See ``docs/``.
 """
 
 from . import boxing, checkpoint, env, nn, sbp, utils
-from ._factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
+from ._factories import (
+    arange,
+    empty,
+    empty_like,
+    full,
+    full_like,
+    manual_seed,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randn,
+    randn_like,
+    zeros,
+    zeros_like,
+)
 from ._visualize import visualize
 from .checkpoint import export_safetensors, load, save
 from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
@@ -21,21 +36,27 @@ __all__ = [
     "boxing",
     "checkpoint",
     "empty",
+    "empty_like",
     "env",
     "export_safetensors",
     "full",
+    "full_like",
     "is_global",
     "load",
     "manual_seed",
     "nn",
     "ones",
+    "ones_like",
     "placement",
     "rand",
+    "rand_like",
     "randn",
+    "randn_like",
     "save",
     "sbp",
     "to_global",
     "utils",
     "visualize",
     "zeros",
+    "zeros_like",
 ]

@@ -30,18 +30,39 @@ from .comm._world import device_for, get_rank
 from .placement import Placement
 from .sbp import normalize
 
-__all__ = ["arange", "empty", "full", "manual_seed", "ones", "rand", "randn", "zeros"]
+__all__ = [
+    "arange",
+    "empty",
+    "empty_like",
+    "full",
+    "full_like",
+    "manual_seed",
+    "ones",
+    "ones_like",
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "zeros",
+    "zeros_like",
+]
 
 _MASK32 = 0xFFFFFFFF
 manual_seed = _rng.manual_seed
 
 
-def _shape_of(size: Sequence[Any]) -> tuple[int, ...]:
+def _shape_of(size: Sequence[Any], name: str) -> tuple[int, ...]:
+    """torch's size forms: ints as separate arguments, or one tuple/list/``torch.Size``."""
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     for n in size:
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"sizes must be non-negative ints, got {tuple(size)!r}.")
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(
+                f"sbpflow.{name} takes the size as ints or one tuple of ints, as torch does, got "
+                f"{tuple(size)!r}; e.g. sbpflow.{name}(4, 2, ...) or sbpflow.{name}((4, 2), ...)."
+            )
+        if n < 0:
+            raise ValueError(f"sbpflow.{name}: sizes must be non-negative, got {tuple(size)!r}.")
     return tuple(size)
 
 
@@ -168,19 +189,18 @@ def _mantissa_bits(dtype: torch.dtype) -> int:
 
 def rand(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
          requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    """Uniform [0, 1) global tensor; the logical value depends only on the seed."""
-    return _random(size, placement, sbp, dtype, requires_grad, "rand")
+    """``torch.rand``: uniform [0, 1) global tensor; the logical value depends only on the seed."""
+    return _random(_shape_of(size, "rand"), placement, sbp, dtype, requires_grad, "rand")
 
 
 def randn(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
           requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    """Standard normal global tensor; the logical value depends only on the seed."""
-    return _random(size, placement, sbp, dtype, requires_grad, "randn")
+    """``torch.randn``: standard normal global tensor; the logical value depends only on the seed."""
+    return _random(_shape_of(size, "randn"), placement, sbp, dtype, requires_grad, "randn")
 
 
-def _random(size: Sequence[Any], placement: Any, sbp: Any, dtype: torch.dtype | None,
+def _random(shape: tuple[int, ...], placement: Any, sbp: Any, dtype: torch.dtype | None,
             requires_grad: bool, name: str) -> GlobalTensor:  # fmt: skip
-    shape = _shape_of(size)
     layout = _layout_for(placement, sbp, len(shape), name)
     dtype = dtype or torch.get_default_dtype()
     seed, offset = _rng.take(math.prod(shape))  # on every rank, in the placement or not
@@ -196,10 +216,20 @@ def _random(size: Sequence[Any], placement: Any, sbp: Any, dtype: torch.dtype | 
     return _build(shape, layout, dtype, make, requires_grad)
 
 
-def full(*size: Any, fill_value: Any, placement: Placement, sbp: Any,
+def full(size: Sequence[int], fill_value: Any, *, placement: Placement, sbp: Any,
          dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    shape = _shape_of(size)
-    layout = _layout_for(placement, sbp, len(shape), "full")
+    """``torch.full``: every element ``fill_value``; the dtype follows it unless given."""
+    if not isinstance(size, (tuple, list, torch.Size)):
+        raise TypeError(
+            f"sbpflow.full takes the size as one tuple, as torch.full does, got "
+            f"{type(size).__name__} {size!r}; write sbpflow.full((4, 2), 3.0, placement=..., sbp=...)."
+        )
+    return _full(_shape_of((size,), "full"), fill_value, placement, sbp, dtype, requires_grad)
+
+
+def _full(shape: tuple[int, ...], fill_value: Any, placement: Any, sbp: Any,
+          dtype: torch.dtype | None, requires_grad: bool, name: str = "full") -> GlobalTensor:  # fmt: skip
+    layout = _layout_for(placement, sbp, len(shape), name)
     if dtype is None:
         dtype = torch.full((), fill_value).dtype
 
@@ -211,20 +241,27 @@ def full(*size: Any, fill_value: Any, placement: Placement, sbp: Any,
 
 def zeros(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
           requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    return full(*size, fill_value=0, placement=placement, sbp=sbp,
-                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)  # fmt: skip
+    """``torch.zeros`` as a global tensor."""
+    return _full(_shape_of(size, "zeros"), 0, placement, sbp,
+                 dtype or torch.get_default_dtype(), requires_grad, "zeros")  # fmt: skip
 
 
 def ones(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
          requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    return full(*size, fill_value=1, placement=placement, sbp=sbp,
-                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)  # fmt: skip
+    """``torch.ones`` as a global tensor (on a partial axis: ones, not the number of ranks)."""
+    return _full(_shape_of(size, "ones"), 1, placement, sbp,
+                 dtype or torch.get_default_dtype(), requires_grad, "ones")  # fmt: skip
 
 
 def empty(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
           requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    shape = _shape_of(size)
-    layout = _layout_for(placement, sbp, len(shape), "empty")
+    """``torch.empty`` as a global tensor: uninitialised pieces."""
+    return _empty(_shape_of(size, "empty"), placement, sbp, dtype, requires_grad)
+
+
+def _empty(shape: tuple[int, ...], placement: Any, sbp: Any, dtype: torch.dtype | None,
+           requires_grad: bool, name: str = "empty") -> GlobalTensor:  # fmt: skip
+    layout = _layout_for(placement, sbp, len(shape), name)
     dtype = dtype or torch.get_default_dtype()
 
     def make(box: Any, device: torch.device) -> torch.Tensor:
@@ -233,9 +270,10 @@ def empty(*size: Any, placement: Placement, sbp: Any, dtype: torch.dtype | None 
     return _build(shape, layout, dtype, make, requires_grad)
 
 
-def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement, sbp: Any,
+def arange(start: Any = 0, end: Any = None, step: Any = 1, *, placement: Placement, sbp: Any,
            dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
-    """1-D ``torch.arange`` as a global tensor; each rank computes only its piece."""
+    """``torch.arange(end)`` or ``torch.arange(start, end, step)`` as a 1-D global tensor;
+    each rank computes only its piece."""
     if end is None:
         start, end = 0, start
     start, end, step = (v.item() if isinstance(v, torch.Tensor) else v for v in (start, end, step))
@@ -247,6 +285,84 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement, 
         return torch.arange(lo, hi, dtype=torch.float64, device=device) * step + start
 
     return _build((length,), layout, dtype, make, requires_grad)
+
+
+# -- *_like: torch's forms, keeping a global input's placement and SBP -------------------
+
+
+def _like_layout(input: Any, placement: Any, sbp: Any, name: str) -> tuple[Any, Any]:
+    """The placement and SBP for ``name(input, ...)``: the given ones, else ``input``'s own."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"sbpflow.{name} takes a tensor, got {type(input).__name__} {input!r}.")
+    if not isinstance(input, GlobalTensor):
+        if placement is None or sbp is None:
+            raise ValueError(
+                f"sbpflow.{name} of a plain tensor needs placement= and sbp= (a global input "
+                "lends its own); e.g. sbpflow.zeros_like(x, placement=sbpflow.placement('cpu', "
+                "[0, 1]), sbp=sbpflow.sbp.broadcast)."
+            )
+        return placement, sbp
+    placement = input.placement if placement is None else placement
+    if sbp is None:
+        if not isinstance(placement, Placement) or placement.ndim != input.placement.ndim:
+            raise ValueError(
+                f"sbpflow.{name}(placement={placement}) has a different number of mesh axes "
+                f"than the input's {input.placement}, so its SBP cannot be kept; pass sbp= too."
+            )
+        sbp = input.sbp
+    return placement, sbp
+
+
+def zeros_like(input: torch.Tensor, *, placement: Placement | None = None, sbp: Any = None,
+               dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.zeros_like``; a global ``input``'s placement and SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "zeros_like")
+    return _full(tuple(input.shape), 0, placement, sbp, dtype or input.dtype, requires_grad,
+                 "zeros_like")  # fmt: skip
+
+
+def ones_like(input: torch.Tensor, *, placement: Placement | None = None, sbp: Any = None,
+              dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.ones_like``; a global ``input``'s placement and SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "ones_like")
+    return _full(tuple(input.shape), 1, placement, sbp, dtype or input.dtype, requires_grad,
+                 "ones_like")  # fmt: skip
+
+
+def full_like(input: torch.Tensor, fill_value: Any, *, placement: Placement | None = None,
+              sbp: Any = None, dtype: torch.dtype | None = None,
+              requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.full_like`` (the input's dtype unless given); a global ``input``'s placement
+    and SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "full_like")
+    return _full(tuple(input.shape), fill_value, placement, sbp, dtype or input.dtype,
+                 requires_grad, "full_like")  # fmt: skip
+
+
+def empty_like(input: torch.Tensor, *, placement: Placement | None = None, sbp: Any = None,
+               dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.empty_like``; a global ``input``'s placement and SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "empty_like")
+    return _empty(tuple(input.shape), placement, sbp, dtype or input.dtype, requires_grad,
+                  "empty_like")  # fmt: skip
+
+
+def rand_like(input: torch.Tensor, *, placement: Placement | None = None, sbp: Any = None,
+              dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.rand_like``, seeded as ``sbpflow.rand``; a global ``input``'s placement and
+    SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "rand_like")
+    return _random(tuple(input.shape), placement, sbp, dtype or input.dtype, requires_grad,
+                   "rand")  # fmt: skip
+
+
+def randn_like(input: torch.Tensor, *, placement: Placement | None = None, sbp: Any = None,
+               dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:  # fmt: skip
+    """``torch.randn_like``, seeded as ``sbpflow.randn``; a global ``input``'s placement and
+    SBP unless given."""
+    placement, sbp = _like_layout(input, placement, sbp, "randn_like")
+    return _random(tuple(input.shape), placement, sbp, dtype or input.dtype, requires_grad,
+                   "randn")  # fmt: skip
 
 
 def _arange_meta(

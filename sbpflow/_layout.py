@@ -168,11 +168,27 @@ def logical_shape_from_locals(
             got = {q: list(local_shapes[q]) for q in placement.flat_ranks}
             raise ValueError(
                 f"local shapes {got} do not form one logical tensor with SBP {sbp_str(sbp)} on "
-                f"{placement}: rank {r} should hold shape {list(expected)} of a logical "
-                f"{list(expected_shape)} (balanced split: the first n % p ranks get one extra "
-                "element). Pass shards cut by the balanced rule, or shards of equal shape."
+                f"{placement}: rank {r} passed shape {list(local_shapes[r])}, expected "
+                f"{list(expected)}. {_shape_rule(sbp, expected_shape, placement.flat_ranks[0])}"
             )
     return expected_shape
+
+
+def _shape_rule(sbp: NdSbp, logical: tuple[int, ...], first_rank: int) -> str:
+    """What the ranks' local shapes must be for ``sbp``, for an error message."""
+    if not any(isinstance(s, Split) for s in sbp):
+        return (
+            f"With SBP {sbp_str(sbp)} every rank passes the whole tensor (broadcast sends the "
+            "first rank's data, partial_sum adds the ranks' tensors), so every rank passes the "
+            f"same shape; the first rank, {first_rank}, passed {list(logical)}. Pass tensors "
+            "of one shape on every rank."
+        )
+    return (
+        f"Along a split dim the pieces follow the balanced rule (the first n % p ranks hold "
+        f"one extra element; these pieces make a logical {list(logical)}); every other dim, "
+        "and every rank along a broadcast or partial axis, has the same size. Pass pieces cut "
+        "by the balanced rule, or of equal shape."
+    )
 
 
 def _logical_length(

@@ -214,6 +214,25 @@ def _raise_everywhere(mine: RankMeta, what: str, compare_shapes: bool, site: str
     )
 
 
+def _reading_hint(call: str, sbps: list[str]) -> str:
+    """How to read a value when only some ranks called ``call``: on every rank. ``to_local()``
+    is offered only where it is the value (every axis broadcast): a partial tensor's piece is
+    a part of a sum, a split tensor's a slice."""
+    axes = {axis for sbp in sbps for axis in sbp.strip("()").split(", ")}
+    partial = any(axis.startswith("P") for axis in axes)
+    kind = "partial " if partial else ""
+    hint = (
+        f"reading a {kind}global tensor ({call}) is a collective: call it on every rank, also "
+        "where only one rank prints; sbpflow.env.print0(...) formats its arguments on every "
+        "rank and prints on rank 0."
+    )
+    if partial:
+        return hint + " (t.to_local() is only this rank's part of the sum, not the value.)"
+    if axes == {"B"}:
+        return hint + " t.to_local() is this rank's copy of the whole value, with no collective."
+    return hint
+
+
 def _different_calls(entries: list[tuple[RankMeta, str, str]]) -> str:
     """The error when ranks entered different calls: who was where, and why it matters."""
     me = get_rank()
@@ -225,11 +244,7 @@ def _different_calls(entries: list[tuple[RankMeta, str, str]]) -> str:
     )
     reading = [(m, c) for m, c, _ in entries if c in READING_CALLS]
     if reading:
-        partial = any("P" in m.sbp for m, _ in reading)
-        hint = (
-            f"reading a {'partial ' if partial else ''}global tensor ({reading[0][1]}) is a "
-            "collective: call it on every rank, or read this rank's piece with t.to_local()."
-        )
+        hint = _reading_hint(reading[0][1], [m.sbp for m, _ in reading])
     else:
         hint = (
             "every rank must make the same sbpflow calls in the same order: look for "

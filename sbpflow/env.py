@@ -28,14 +28,16 @@ __all__ = [
 ]
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """``print(*args, **kwargs)`` on global rank 0 only; the other ranks print nothing.
+def print0(*args: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None,
+           flush: bool = True) -> None:  # fmt: skip
+    """``print(*args, ...)`` on global rank 0 only; every rank formats the arguments.
 
-    The arguments are evaluated on every rank before the call, so a global value in them
-    (``print0(f"loss {loss:.4f}")``, whose formatting gathers the logical value, a
-    collective) is computed everywhere and the ranks stay in step. Output is flushed
-    unless ``flush`` is given, so lines from a launched job appear as they are printed.
+    Every rank runs ``str()`` on each argument, so a global tensor among them (whose
+    printed value is gathered: a collective) is formatted everywhere and the ranks stay
+    in step: ``print0("loss", loss)`` and ``print0(f"loss {loss:.4f}")`` both work. Only
+    rank 0 prints. Output is flushed unless ``flush=False``, so lines from a launched job
+    appear as they are printed.
     """
+    text = (" " if sep is None else sep).join(str(arg) for arg in args)
     if get_rank() == 0:
-        kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
+        print(text, end=end, file=file, flush=flush)

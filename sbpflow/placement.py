@@ -156,8 +156,7 @@ class Placement:
     def __str__(self) -> str:
         return f"placement({self.type!r}, {_ranks_str(self.ranks)})"
 
-    def __repr__(self) -> str:
-        return f"sbpflow.placement(type={self.type!r}, ranks={_ranks_str(self.ranks)})"
+    __repr__ = __str__  # NOTE [one printed form] in sbp.py
 
 
 def _ranks_str(ranks: tuple[Any, ...]) -> str:

@@ -3,6 +3,14 @@
 ``split(d)`` cuts tensor dim ``d`` across the axis (balanced uneven rule),
 ``broadcast`` gives every rank the whole (sub)tensor, ``partial_sum`` and
 ``partial_max`` make the logical tensor the reduction of the ranks' local ones.
+
+# NOTE [one printed form]
+# An SBP prints one way everywhere, as ``str`` and as ``repr``: ``S(0)``, ``B``,
+# ``P``, ``P(max)``; an N-D SBP ``(S(0), B)`` (``sbp_str``), and a tensor's
+# ``.sbp`` tuple as Python prints a tuple of them: ``(S(0),)``. Placements do
+# the same: ``placement('cpu', [0, 1])`` (sbpflow/placement.py). Messages,
+# plans, tensor reprs and the docs use these forms; code a message suggests
+# typing is written with the API's names (``sbpflow.sbp.split(0)``).
 """
 
 from __future__ import annotations
@@ -56,8 +64,7 @@ class Split(SbpParallel):
     def __str__(self) -> str:
         return f"S({self.dim})"
 
-    def __repr__(self) -> str:
-        return f"sbpflow.sbp.split({self.dim})"
+    __repr__ = __str__  # NOTE [one printed form]
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,7 @@ class Broadcast(SbpParallel):
     def __str__(self) -> str:
         return "B"
 
-    def __repr__(self) -> str:
-        return "sbpflow.sbp.broadcast"
+    __repr__ = __str__
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,7 @@ class Partial(SbpParallel):
     def __str__(self) -> str:
         return "P" if self.reduce_op == "sum" else "P(max)"
 
-    def __repr__(self) -> str:
-        return "sbpflow.sbp.partial_sum" if self.reduce_op == "sum" else "sbpflow.sbp.partial_max"
+    __repr__ = __str__
 
 
 def split(dim: int) -> Split:

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _devices, _dispatch, _meta_check
+from . import _devices, _dispatch, _meta_check, _saving
 from ._bounded import BoundedDict
 from ._compiling import graph_break
 from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
@@ -203,12 +203,30 @@ class _ToLocal(torch.autograd.Function):
         )
 
 
+# NOTE [own storage]
+# A broadcast global tensor made from a local one gets pieces that own their storage,
+# contiguous from offset 0: the rank that sends (or, on a placement of one rank, the only
+# one) copies a local tensor that is a view into a larger storage or not contiguous, as the
+# ranks that receive get fresh buffers anyway. Storage ops (NOTE [storage ops] in
+# sbpflow/ops/storage.py) then find the same storage on every rank: only a global tensor
+# that is a view of another has a piece in a larger storage, on every rank alike.
+def _own_storage(local: torch.Tensor) -> torch.Tensor:
+    owns = (
+        local.is_contiguous()
+        and local.storage_offset() == 0
+        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    )
+    return local if owns else local.clone(memory_format=torch.contiguous_format)
+
+
 def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     """This rank's local tensor for ``x.to_global(layout)`` (broadcast sends from group heads)."""
     rank = get_rank()
     pl = layout.placement
     b_axes = [a for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast) and pl.shape[a] > 1]
     local = x.detach()
+    if rank in pl and all(isinstance(s, Broadcast) for s in layout.sbp):
+        local = _own_storage(local)  # NOTE [own storage]
     if b_axes:
         groups = pl.groups_along(b_axes)
         found = _groups.group_of(pl.type, groups, rank)
@@ -350,6 +368,9 @@ for _name, _method in {
     "cuda": _devices.cuda_method,
     "__repr__": _repr,
     "__format__": global_format,
+    "__reduce_ex__": _saving.reduce_global,  # NOTE [torch.save of global tensors]
+    "__copy__": _saving.copy_global,
 }.items():
     setattr(GlobalTensor, _name, _method)
 bind_dispatcher(_dispatch.dispatch, box_below_autograd)
+_saving.install_torch_save_check()

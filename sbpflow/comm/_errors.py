@@ -14,6 +14,14 @@ each rank was doing.
 # _meta_check.py has the numbers). Only a failure reads the others' entries
 # (``check`` first, so a rank that never published costs no wait) and the
 # error then says, e.g., "rank 1 was last in to_global at train.py:42".
+# The failing rank's own part comes from its stack at the failure: the user's
+# line, and the sbpflow call if the rank published one at that line (a
+# collective run where nothing was published, such as a gradient bucket's
+# all_reduce under ``loss.backward()``, is named by its line only: an older
+# published call would be a wrong answer). A peer that exited shows as a
+# closed connection; the error then says that this line is a collective every
+# rank must reach, since the usual cause is a branch only some ranks take
+# (``if rank == 0: print(loss.item())``).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ _SKIPPED_DIRS = (
 )
 _outside: dict[str, bool] = {}  # per source file name: one realpath each
 _KEY = "sbpflow/call/"
-_current = ""  # this rank's latest published call
+_current = ("", "")  # this rank's latest published (call, user's line)
 
 
 class CollectiveError(RuntimeError):
@@ -77,11 +85,11 @@ def _store() -> dist.Store | None:
 def publish(call: str, site: str) -> None:
     """Tell the other ranks that this rank is now in ``call`` at ``site`` (a user's line)."""
     global _current
-    _current = f"{call} at {site}"
+    _current = (call, site)
     store = _store()
     if store is not None:
         with contextlib.suppress(RuntimeError, OSError):
-            store.set(f"{_KEY}{dist.get_rank()}", _current)
+            store.set(f"{_KEY}{dist.get_rank()}", f"{call} at {site}")
 
 
 def others_calls() -> dict[int, str]:
@@ -100,13 +108,18 @@ def others_calls() -> dict[int, str]:
     return found
 
 
+def _this_rank_in(site: str) -> str:
+    """This rank's call at ``site`` (the user's line of the failing collective)."""
+    call, published_site = _current
+    return f"{call} at {site}" if call and published_site == site else f"the call at {site}"
+
+
 def _doing() -> str:
     others = others_calls()
     if not others:
         return ""
     lines = "; ".join(f"rank {r} was last in {call}" for r, call in sorted(others.items()))
-    mine = f" while this rank waited in {_current}" if _current else ""
-    return f" {lines[0].upper()}{lines[1:]}{mine}."
+    return f" {lines[0].upper()}{lines[1:]}."
 
 
 @contextlib.contextmanager
@@ -121,8 +134,9 @@ def named(op: str, ranks: Sequence[int]) -> Iterator[None]:
         lowered = text.lower()
         if "connection closed" in lowered or "connection reset" in lowered:
             hint = (
-                " A peer rank closed its connection: it probably exited or crashed (see its "
-                "output); the backend noticed the closed connection before the timeout."
+                " A peer rank closed its connection: it exited, crashed (see its output) or "
+                "finished the program without making this call; every rank must make the same "
+                "sbpflow calls, so look for a branch only some ranks take (if rank == 0: ...)."
             )
         elif "timed out" in lowered or "timeout" in lowered:
             hint = (
@@ -130,6 +144,8 @@ def named(op: str, ranks: Sequence[int]) -> Iterator[None]:
                 "probably stopped early, raised, or took a different code path. Set "
                 "SBPFLOW_TIMEOUT to change the limit."
             )
+        doing = _this_rank_in(user_site())
         raise CollectiveError(
-            f"sbpflow: {op} over ranks {list(ranks)} failed.{hint}{_doing()} Backend said: {text}"
+            f"sbpflow: {op} over ranks {list(ranks)} failed in {doing}, a collective: every rank "
+            f"in it must reach it.{hint}{_doing()} Backend said: {text}"
         ) from error

@@ -53,12 +53,12 @@ def module_to_global(
     layouts = [_agreed_sbp(entry, placement, sbp) for entry in entries]
     for entry, layout in zip(entries, layouts, strict=True):
         if not entry.is_parameter:
-            buffer = _convert(entry.tensor, placement, layout)
+            buffer = _convert(entry, entry.tensor, placement, layout)
             for owner, attr in entry.owners:
                 owner._buffers[attr] = buffer
             continue
         param = entry.tensor
-        value = _convert(param.detach(), placement, layout)
+        value = _convert(entry, param.detach(), placement, layout)
         new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
         if new.requires_grad:
             keep_grad_layout(new)  # its gradient arrives in its own layout
@@ -131,10 +131,16 @@ def _is_callable_spec(sbp: SbpSpec) -> bool:
     return callable(sbp) and not isinstance(sbp, (tuple, list)) and not hasattr(sbp, "is_split")
 
 
-def _convert(t: torch.Tensor, placement: Placement, sbp: Any) -> GlobalTensor:
-    if isinstance(t, GlobalTensor):
-        return t.to_global(placement, sbp)
-    return to_global(t, placement, sbp)
+def _convert(entry: _Shared, t: torch.Tensor, placement: Placement, sbp: Any) -> GlobalTensor:
+    """``t`` converted; an error names the parameter or buffer (the same on every rank: every
+    rank converts the same module's tensors in the same order)."""
+    try:
+        if isinstance(t, GlobalTensor):
+            return t.to_global(placement, sbp)
+        return to_global(t, placement, sbp)
+    except (ValueError, TypeError) as error:
+        kind = "parameter" if entry.is_parameter else "buffer"
+        raise type(error)(f"module.to_global: {kind} {entry.names[0]!r}: {error}") from error
 
 
 def _module_to_global(self: torch.nn.Module, placement: Placement, sbp: SbpSpec) -> torch.nn.Module:

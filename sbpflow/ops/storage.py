@@ -1,16 +1,26 @@
-"""Ops defined on storage or on a tensor's own metadata: in-place views, ``as_strided``,
-``resize_``, ``set_``.
+"""Ops defined on storage or on a tensor's own metadata: in-place views, ``as_strided``
+(``_copy``, ``_scatter``), ``resize_``, ``set_``.
 
 # NOTE [storage ops]
-# A global tensor is logically contiguous: it reports contiguous strides and
-# storage offset 0, whatever its local piece looks like. Ops that address
-# storage are given that meaning:
-# - ``as_strided`` (and ``as_strided_``, ``as_strided_scatter``) index the
-#   logical tensor's elements in row-major order. Only a broadcast tensor holds
-#   them all in one place; on a split or partial tensor the op has no local
-#   meaning and is an error naming the fix (box to broadcast first). Where the
-#   local piece is not itself contiguous from offset 0 over its own storage, it
-#   is read from a contiguous copy (the result then does not alias the input).
+# Ops that address storage are given torch's meaning on the logical tensor:
+# - ``as_strided`` (and ``as_strided_``, ``as_strided_copy``, ``as_strided_scatter``, ``resize_``)
+#   address the input's storage: elements in memory order from a storage
+#   offset, which may lie outside the input's own elements when it is a view.
+#   Only a broadcast tensor holds its elements in one place; on a split or
+#   partial tensor the op has no local meaning and is an error naming the fix
+#   (box to broadcast first). On a broadcast tensor the op runs on the local
+#   piece as it is, and only when that piece is exactly the storage torch would
+#   address: storage offset 0, no elements beyond its own, and the logical
+#   strides (NOTE [logical strides]). Then the piece's storage holds the logical
+#   tensor's elements in the logical tensor's memory order, and the op reads
+#   what torch reads (a transposed tensor is read in its memory order, not
+#   row-major). A piece that is a view into a larger storage (the tensor is a
+#   view of another one, ``base[5:15]``, or was detached from one) would make
+#   the op address elements outside the tensor, which no copy of the tensor
+#   holds: an error naming the fix (``x.clone()`` first), never the copy's
+#   elements. ``to_global`` gives a broadcast tensor's pieces storage of their
+#   own (NOTE [own storage] in sbpflow/tensor.py), so every rank of a
+#   broadcast tensor decides alike.
 # - In-place views (``squeeze_``, ``unsqueeze_``, ``transpose_``, ``t_``,
 #   ``as_strided_``) change the tensor's own shape: they run as the matching
 #   out-of-place view (its rule may re-lay the tensor out) and the tensor takes
@@ -51,9 +61,14 @@ def _refuse(op: str, layout: str) -> ValueError:
     )
 
 
+def _holds_everything(x: GlobalTensor) -> bool:
+    """Every rank of the placement holds the whole tensor (broadcast, or one rank per axis)."""
+    return all(isinstance(s, Broadcast) for s in x._layout.normalized().sbp)
+
+
 def _require_broadcast(op: str, x: Any) -> None:
     """Storage has logical meaning only on a broadcast tensor (``x`` a global tensor)."""
-    if not all(isinstance(s, Broadcast) for s in x.sbp):
+    if not _holds_everything(x):
         raise _refuse(op, sbp_str(x.sbp))
 
 
@@ -64,15 +79,42 @@ def _require_broadcast_axis(op: str, info: OpInfo) -> None:
         raise _refuse(op, f"{s} on a placement axis")
 
 
-def _row_major(local: torch.Tensor) -> torch.Tensor:
-    """``local`` if it is contiguous from offset 0 over exactly its own storage, else a copy
-    that is: the storage ``as_strided`` indexes is then the logical elements in order."""
-    exact = (
-        local.is_contiguous()
-        and local.storage_offset() == 0
-        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+def _require_own_storage(op: str, x: GlobalTensor) -> None:
+    """``x``'s piece must be exactly the storage torch would address (NOTE [storage ops])."""
+    local = x._local  # on a rank outside the placement: empty, holding its (empty) storage
+    if _holds_its_storage(local, x._meta.strides):
+        return
+    raise ValueError(
+        f"{op} addresses the storage of its input, but this global tensor of shape "
+        f"{list(x.shape)} does not own its storage: it is a view into a larger one (piece at "
+        f"storage offset {local.storage_offset()}, strides {list(local.stride())}, over a "
+        f"storage of {local.untyped_storage().nbytes() // max(local.element_size(), 1)} "
+        f"elements for {local.numel()}). torch would read the elements of the tensor it is a "
+        f"view of, which a global tensor cannot give. Call {op} on a tensor with storage of "
+        "its own, x.clone(), or on the tensor this one is a view of, or use an op defined on "
+        "the logical tensor (view, reshape, narrow, unfold, diagonal)."
     )
-    return local if exact else local.clone(memory_format=torch.contiguous_format)
+
+
+def _holds_its_storage(local: torch.Tensor, logical_strides: tuple[int, ...]) -> bool:
+    """Storage offset 0, no elements beyond its own, laid out by the logical strides."""
+    if local.storage_offset() != 0:
+        return False
+    if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+        return False
+    sizes, strides = local.shape, local.stride()
+    return all(strides[d] == logical_strides[d] for d in range(local.dim()) if sizes[d] > 1)
+
+
+@register_decomposition(
+    aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default
+)
+def check_storage(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Refuse a broadcast input that does not own its storage; the rules below do the rest."""
+    x = args[0] if args else kwargs["self"]
+    if isinstance(x, GlobalTensor) and _holds_everything(x):
+        _require_own_storage(func.overloadpacket.__name__, x)
+    return NotImplemented
 
 
 # -- as_strided ---------------------------------------------------------------------
@@ -83,12 +125,13 @@ def _as_strided_local(
 ) -> Any:
     bound = bind(func, args, kwargs)
     offset = bound.get("storage_offset")
-    return aten.as_strided.default(
-        _row_major(bound["self"]), bound["size"], bound["stride"], offset or 0
-    )
+    return func(bound["self"], bound["size"], bound["stride"], offset or 0)
 
 
-@register(aten.as_strided.default, family="storage", local=_as_strided_local)
+@register(
+    aten.as_strided.default, aten.as_strided_copy.default, family="storage",
+    local=_as_strided_local,
+)  # fmt: skip
 def as_strided_rule(info: OpInfo) -> list[Strategy]:
     _require_broadcast_axis("as_strided", info)
     return [Strategy((B,), (B,))]
@@ -99,9 +142,7 @@ def _as_strided_scatter_local(
 ) -> Any:
     bound = bind(func, args, kwargs)
     offset = bound.get("storage_offset")
-    return func(
-        _row_major(bound["self"]), bound["src"], bound["size"], bound["stride"], offset or 0
-    )
+    return func(bound["self"], bound["src"], bound["size"], bound["stride"], offset or 0)
 
 
 @register(aten.as_strided_scatter.default, family="storage", local=_as_strided_scatter_local)
@@ -162,8 +203,10 @@ def resize(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     size = list(args[1].shape) if func is aten.resize_as_.default else list(args[1])
     if size == list(x.shape):
         return x
-    _require_broadcast(str(func.overloadpacket.__name__), x)
-    x._local = _row_major(x._local).resize_(size)  # keeps the first elements in row-major order
+    op = str(func.overloadpacket.__name__)
+    _require_broadcast(op, x)
+    _require_own_storage(op, x)
+    x._local = x._local.resize_(size)  # keeps the first elements in memory order, as torch
     x._meta = meta_of(x._layout, tuple(size), x.dtype)
     _set_wrapper_meta(x, lambda w: aten.resize_.default(w, size))
     return x

@@ -143,5 +143,6 @@ def test_a_rank_that_exits_mid_collective_is_noticed_long_before_the_timeout() -
     assert outcomes.elapsed < 15, outcomes.elapsed
     assert_collective_error(
         outcomes[0],
-        r"sbpflow: all_reduce over ranks \[0, 1\] failed\. A peer rank closed its connection",
+        r"sbpflow: all_reduce over ranks \[0, 1\] failed in the call at test_collectives\.py:\d+, "
+        r"a collective: every rank in it must reach it\. A peer rank closed its connection",
     )

@@ -24,15 +24,19 @@ SBPS: tuple[SbpParallel, ...] = (split(0), split(1), broadcast, partial_sum)
 
 
 def _factories() -> dict[str, Callable[..., sbpflow.GlobalTensor]]:
-    """Each factory takes (placement, sbp); 2-D except arange."""
+    """Each factory takes (placement, sbp); 2-D except arange; torch's argument forms."""
     return {
         "randn": lambda pl, s: sbpflow.randn(6, 5, placement=pl, sbp=s),
         "rand": lambda pl, s: sbpflow.rand((6, 5), placement=pl, sbp=s, dtype=torch.float64),
         "zeros": lambda pl, s: sbpflow.zeros(6, 5, placement=pl, sbp=s),
         "ones": lambda pl, s: sbpflow.ones(6, 5, placement=pl, sbp=s, dtype=torch.float16),
-        "full": lambda pl, s: sbpflow.full(6, 5, fill_value=2.5, placement=pl, sbp=s),
+        "full": lambda pl, s: sbpflow.full((6, 5), 2.5, placement=pl, sbp=s),
         "arange": lambda pl, s: sbpflow.arange(2, 23, 3, placement=pl, sbp=s),
         "arange_float": lambda pl, s: sbpflow.arange(0.5, 3.0, 0.25, placement=pl, sbp=s),
+        # *_like of a global input keep its placement and SBP (P included: ones, not ranks)
+        "ones_like": lambda pl, s: sbpflow.ones_like(sbpflow.empty(6, 5, placement=pl, sbp=s)),
+        "full_like": lambda pl, s: sbpflow.full_like(sbpflow.zeros(6, 5, placement=pl, sbp=s), 3),
+        "randn_like": lambda pl, s: sbpflow.randn_like(sbpflow.zeros(6, 5, placement=pl, sbp=s)),
     }
 
 

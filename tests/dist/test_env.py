@@ -25,8 +25,14 @@ def printed_and_counts() -> dict[str, Any]:
     rank, num_ranks = sbpflow.env.get_rank(), sbpflow.env.get_world_size()
     placement = sbpflow.placement("cpu", list(range(num_ranks)))
     out = io.StringIO()
+    # A partial-sum loss of 2.5 (parts 2.0 and 0.5 on two ranks) and a split tensor: print0
+    # formats them on every rank (a collective each), then prints on rank 0.
+    loss = torch.tensor(2.0 if rank == 0 else 0.5).to_global(placement, partial_sum)
+    pieces = torch.tensor([float(rank)]).to_global(placement, split(0))
     with contextlib.redirect_stdout(out):
         sbpflow.env.print0("hello from", rank, sep=" ", end="!\n")
+        sbpflow.env.print0("loss", loss, pieces)
+        sbpflow.env.print0(f"loss {loss:.3f}", sep="", flush=False)
     gen = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(13, 4, generator=gen), torch.randint(0, 4, (13,), generator=gen)
     mine = torch.tensor_split(torch.arange(13), num_ranks)[rank]  # balanced: 7 and 6
@@ -47,10 +53,15 @@ def printed_and_counts() -> dict[str, Any]:
 
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_print0_and_metrics_over_ranks(dist_pool: DistributedPool) -> None:
-    """print0 prints on rank 0 only, with print's arguments; both ways of counting correct
+    """print0 prints on rank 0 only, with print's arguments, global tensors formatted on
+    every rank (their values compared with plain tensors here); both ways of counting correct
     predictions over ranks give the single-process count on every rank."""
     results = dist_pool.run(printed_and_counts)
-    assert [r["printed"] for r in results] == ["hello from 0!\n", ""]
+    pl = "placement('cpu', [0, 1])"
+    loss = repr(torch.tensor(2.5))[:-1] + f", placement={pl}, sbp=P)"
+    pieces = repr(torch.tensor([0.0, 1.0]))[:-1] + f", placement={pl}, sbp=S(0))"
+    printed = f"hello from 0!\nloss {loss} {pieces}\nloss 2.500\n"
+    assert [r["printed"] for r in results] == [printed, ""]
     for got in results:
         assert got["from_local"] == got["from_global"] == got["reference"], got
         assert got["local_count"] > 0, got  # a rank's share left out would change the total

@@ -67,6 +67,11 @@ def _broadcast_locals_of_different_shapes() -> None:
     torch.ones(4 + _rank(), 3).to_global(_world(), broadcast)
 
 
+def _module_parameters_of_different_shapes() -> None:
+    layers = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2 + _rank()))
+    layers.to_global(_world(), broadcast)
+
+
 def _different_sbps_for_a_local() -> None:
     torch.ones(4, 3).to_global(_world(), split(0) if _rank() == 0 else broadcast)
 
@@ -134,12 +139,18 @@ MISTAKES: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
     "unbalanced shards": (
         _unbalanced_shards,
         ValueError,
-        r"\{0: \[2, 3\], 1: \[4, 3\]\}.*rank 0 should hold shape \[3, 3\]",
+        r"\{0: \[2, 3\], 1: \[4, 3\]\}.*rank 0 passed shape \[2, 3\], expected \[3, 3\]",
     ),
     "B locals of different shapes": (
         _broadcast_locals_of_different_shapes,
         ValueError,
-        r"\{0: \[4, 3\], 1: \[5, 3\]\}.*rank 1 should hold shape \[4, 3\]",
+        r"\{0: \[4, 3\], 1: \[5, 3\]\}.*rank 1 passed shape \[5, 3\], expected \[4, 3\]\. "
+        r"With SBP B every rank passes the whole tensor",
+    ),
+    "module parameters of different shapes": (
+        _module_parameters_of_different_shapes,
+        ValueError,
+        r"module.to_global: parameter '1.weight': .*rank 1 passed shape \[3, 3\], expected \[2, 3\]",
     ),
     "different sbps (local)": (
         _different_sbps_for_a_local,

@@ -64,6 +64,20 @@ FAILING_SCRIPT = """
 """
 
 
+ONE_RANK_READS_SCRIPT = """
+    import torch
+
+    import sbpflow
+    from sbpflow.sbp import partial_sum
+
+    rank = sbpflow.env.get_rank()
+    placement = sbpflow.placement("cpu", [0, 1])
+    loss = torch.tensor(2.0 if rank == 0 else 0.5).to_global(placement, partial_sum)
+    if rank == 0:
+        print(loss.item())  # only rank 0 reads; rank 1 finishes the program
+"""
+
+
 def _write(tmp_path: Path, name: str, source: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))
@@ -177,6 +191,24 @@ def test_failing_rank_stops_the_run(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leftover, f"processes still running after the launcher exited: {leftover}"
+
+
+def test_a_peer_that_exited_is_named_with_the_collective_call(tmp_path: Path) -> None:
+    """Rank 0 reads a value alone and rank 1 exits: rank 0's error names its call and line as a
+    collective every rank must reach, and says the peer may have finished without it."""
+    script = _write(tmp_path, "reads_alone.py", ONE_RANK_READS_SCRIPT)
+    marker = f"marker-{uuid.uuid4().hex}"
+    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", "2"]
+    result, _ = _run([*argv, str(script), marker], marker)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    reading = "print(loss.item())  # only rank 0 reads; rank 1 finishes the program"
+    lines = [text.strip() for text in script.read_text().splitlines()]
+    site = f"reads_alone.py:{lines.index(reading) + 1}"
+    assert f"failed in item() at {site}, a collective: every rank in it must reach it" in output, (
+        output
+    )
+    assert "finished the program without making this call" in output, output
 
 
 @pytest.mark.parametrize(

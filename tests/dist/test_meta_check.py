@@ -154,8 +154,10 @@ def test_a_rank_that_exits_is_noticed_long_before_the_timeout(
     assert outcomes.elapsed < 15, outcomes.elapsed
     assert_collective_error(
         outcomes[0],
-        r"sbpflow: metadata check \(all_reduce\) over ranks \[0, 1\] failed\. A peer rank closed "
-        r"its connection",
+        r"sbpflow: metadata check \(all_reduce\) over ranks \[0, 1\] failed in to_global at "
+        r"test_meta_check\.py:\d+, a collective: every rank in it must reach it\. A peer rank "
+        r"closed its connection: it exited, crashed \(see its output\) or finished the program "
+        r"without making this call",
     )
 
 

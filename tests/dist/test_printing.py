@@ -86,7 +86,7 @@ def test_ranks_outside_the_placement_read_it_too(dist_pool: DistributedPool) -> 
     results = dist_pool.run(read_outside, [2, 1])
     assert results[0]["tolist"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert results[0]["item"] == 1.25 and results[0]["format"] == "1.250"
-    assert "placement=sbpflow.placement(type='cpu', ranks=[2, 1]), sbp=S(0))" in results[0]["repr"]
+    assert "placement=placement('cpu', [2, 1]), sbp=S(0))" in results[0]["repr"]
     assert all(r == results[0] for r in results)
 
 

@@ -8,6 +8,7 @@ placement or SBP) is checked on real ranks in ``tests/dist/test_creation.py``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_deterministic_factories() -> None:
     assert torch.equal(
         _values(sbpflow.ones((2, 5), placement=ONE, sbp=sbp.broadcast)), torch.ones(2, 5)
     )
-    full = sbpflow.full(2, 3, fill_value=7, placement=ONE, sbp=sbp.broadcast)
+    full = sbpflow.full((2, 3), 7, placement=ONE, sbp=sbp.broadcast)
     assert full.dtype == torch.int64 and torch.equal(_values(full), torch.full((2, 3), 7))
     assert torch.equal(_values(sbpflow.arange(5, placement=ONE, sbp=sbp.split(0))), torch.arange(5))
     stepped = sbpflow.arange(1.0, 4.0, 0.5, placement=ONE, sbp=sbp.broadcast)
@@ -146,7 +147,7 @@ def test_factory_argument_errors() -> None:
         sbpflow.ones(2, placement=ONE, sbp=None)
     with pytest.raises(ValueError, match=r"split\(1\) is out of range for a tensor with 1 dims"):
         sbpflow.randn(4, placement=ONE, sbp=sbp.split(1))
-    with pytest.raises(ValueError, match=r"non-negative ints, got \(2, -1\)"):
+    with pytest.raises(ValueError, match=r"sizes must be non-negative, got \(2, -1\)"):
         sbpflow.rand(2, -1, placement=ONE, sbp=sbp.broadcast)
     with pytest.raises(TypeError, match="manual_seed takes an int, got str"):
         sbpflow.manual_seed("1")  # type: ignore[arg-type]
@@ -154,3 +155,87 @@ def test_factory_argument_errors() -> None:
         sbpflow.arange(1, 5, 0, placement=ONE, sbp=sbp.broadcast)
     with pytest.raises(ValueError, match=r"arange\(start=5, end=1, step=1\): the step points away"):
         sbpflow.arange(5, 1, placement=ONE, sbp=sbp.broadcast)
+
+
+# torch's argument forms for each factory, with sbpflow's placement and sbp added as keywords.
+_TORCH_FORMS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("zeros", (3, 4), {}),
+    ("zeros", ((3, 4),), {}),
+    ("zeros", ([3, 4],), {"dtype": torch.float64}),
+    ("zeros", (torch.Size([2, 5]),), {}),
+    ("zeros", ((),), {}),
+    ("ones", (2, 3), {"requires_grad": True}),
+    ("ones", ((2, 3),), {"dtype": torch.int32}),
+    ("empty", (2, 2), {}),
+    ("empty", ((4,),), {"dtype": torch.float16}),
+    ("full", ((4, 2), 3.0), {}),
+    ("full", ([4, 2], 3), {}),
+    ("full", ((2,), True), {}),
+    ("full", ((3,),), {"fill_value": 1.5, "dtype": torch.float64}),
+    ("full", (), {"size": (2, 2), "fill_value": 7}),
+    ("rand", (3, 2), {}),
+    ("rand", ((3, 2),), {"dtype": torch.float64}),
+    ("randn", (5,), {}),
+    ("randn", ((2, 3),), {"requires_grad": True}),
+    ("arange", (5,), {}),
+    ("arange", (1, 7), {}),
+    ("arange", (1.0, 4.0, 0.5), {}),
+    ("arange", (), {"end": 4}),
+    ("arange", (), {"start": 2, "end": 8, "step": 3}),
+    ("arange", (6,), {"dtype": torch.float32}),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), _TORCH_FORMS)
+def test_factories_take_torch_argument_forms(name: str, args: tuple, kwargs: dict) -> None:
+    """Each factory called exactly as torch's is (compared with torch in this process)."""
+    want = getattr(torch, name)(*args, **kwargs)
+    got = getattr(sbpflow, name)(*args, **kwargs, placement=ONE, sbp=_any_sbp(want.dim()))
+    assert isinstance(got, sbpflow.GlobalTensor)
+    assert (got.shape, got.dtype, got.requires_grad) == (want.shape, want.dtype, want.requires_grad)
+    if name not in ("empty", "rand", "randn"):
+        assert torch.equal(_values(got), want.detach())
+
+
+def _any_sbp(ndim: int) -> Any:
+    return sbp.split(0) if ndim else sbp.broadcast
+
+
+_LIKE_FORMS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("zeros_like", (), {}),
+    ("ones_like", (), {"dtype": torch.int64}),
+    ("empty_like", (), {}),
+    ("full_like", (7,), {}),
+    ("full_like", (), {"fill_value": 2.5, "dtype": torch.float64}),
+    ("rand_like", (), {}),
+    ("randn_like", (), {"requires_grad": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), _LIKE_FORMS)
+def test_like_factories_keep_a_global_input_layout(name: str, args: tuple, kwargs: dict) -> None:
+    """``sbpflow.zeros_like(x)`` and friends take torch's forms; a global ``x`` lends its
+    placement and SBP, a plain one needs them (compared with torch in this process)."""
+    plain = torch.arange(6.0).reshape(2, 3)
+    want = getattr(torch, name)(plain, *args, **kwargs)
+    x = plain.to_global(ONE, sbp.split(1))
+    got = getattr(sbpflow, name)(x, *args, **kwargs)
+    assert (got.placement, got.sbp) == (ONE, (sbp.split(1),))
+    assert (got.shape, got.dtype, got.requires_grad) == (want.shape, want.dtype, want.requires_grad)
+    if name in ("zeros_like", "ones_like", "full_like"):
+        assert torch.equal(_values(got), want)
+    other = getattr(sbpflow, name)(x, *args, **kwargs, sbp=sbp.broadcast)
+    assert other.sbp == (sbp.broadcast,) and other.placement == ONE
+    from_plain = getattr(sbpflow, name)(plain, *args, **kwargs, placement=ONE, sbp=sbp.split(0))
+    assert from_plain.sbp == (sbp.split(0),) and from_plain.shape == want.shape
+    with pytest.raises(ValueError, match="needs placement= and sbp="):
+        getattr(sbpflow, name)(plain, *args, **kwargs)
+
+
+def test_factory_size_errors_name_torch_forms() -> None:
+    with pytest.raises(TypeError, match=r"one tuple, as torch.full does, got int 4"):
+        sbpflow.full(4, 2.0, placement=ONE, sbp=sbp.broadcast)
+    with pytest.raises(TypeError, match=r"sbpflow.zeros takes the size as ints"):
+        sbpflow.zeros(2.0, placement=ONE, sbp=sbp.broadcast)
+    with pytest.raises(ValueError, match="non-negative"):
+        sbpflow.ones(-1, placement=ONE, sbp=sbp.broadcast)

@@ -58,7 +58,8 @@ def test_value_semantics() -> None:
 def test_printing() -> None:
     pl = Placement("cpu", [[0, 1], [2, 3]])
     assert str(pl) == "placement('cpu', [[0, 1], [2, 3]])"
-    assert repr(pl) == "sbpflow.placement(type='cpu', ranks=[[0, 1], [2, 3]])"
+    assert repr(pl) == str(pl) == f"{pl!r}"  # NOTE [one printed form]
+    assert repr([pl]) == "[placement('cpu', [[0, 1], [2, 3]])]"
     assert str(Placement("cuda", [0, 1, 2])) == "placement('cuda', [0, 1, 2])"
 
 

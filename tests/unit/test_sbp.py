@@ -11,15 +11,18 @@ from sbpflow import sbp
 from sbpflow.sbp import Broadcast, Partial, Split, normalize, sbp_str
 
 
-def test_short_str_and_explicit_repr() -> None:
-    assert str(sbp.split(0)) == "S(0)"
-    assert str(sbp.split(2)) == "S(2)"
-    assert str(sbp.broadcast) == "B"
-    assert str(sbp.partial_sum) == "P"
-    assert str(sbp.partial_max) == "P(max)"
-    assert repr(sbp.split(1)) == "sbpflow.sbp.split(1)"
-    assert repr(sbp.broadcast) == "sbpflow.sbp.broadcast"
-    assert repr(sbp.partial_sum) == "sbpflow.sbp.partial_sum"
+def test_one_printed_form_for_str_and_repr() -> None:
+    """NOTE [one printed form]: str and repr are the short form, so a tuple prints alike."""
+    for value, text in [
+        (sbp.split(0), "S(0)"),
+        (sbp.split(2), "S(2)"),
+        (sbp.broadcast, "B"),
+        (sbp.partial_sum, "P"),
+        (sbp.partial_max, "P(max)"),
+    ]:
+        assert str(value) == repr(value) == f"{value}" == f"{value!r}" == text
+    assert repr((sbp.split(0), sbp.broadcast)) == "(S(0), B)"
+    assert str((sbp.split(0),)) == "(S(0),)"
 
 
 def test_nd_signature_prints_as_tuple() -> None:
