@@ -233,6 +233,7 @@ def mesh_job() -> dict[str, Any]:
     return {
         "errors": _errors(logical, reference),
         "launches": launches,
+        "traced": traced,
         "grad_sbps": {n: (sbp_str(p.grad.sbp), sbp_str(p.sbp)) for n, p in model.named_parameters()},
     }
 
@@ -249,6 +250,11 @@ def test_dp_tp_on_2x2_mesh_reduces_over_the_data_axis_only() -> None:
         numel = (8 * 6 + 8) // 2 + 3 * 8 // 2 + 3  # this rank's pieces, then 3 flags
         for events in got["launches"][1:]:
             assert events == [f"launch {numel} over {data_group}"], got["launches"]
+        # Every collective of a step: the tensor-parallel boxing (the same each step), and the
+        # gradients' reduction: 3 per-parameter all_reduces in the first step, then the bucket.
+        first, *later = got["traced"]
+        assert later == [later[0]] * len(later), got["traced"]
+        assert first == {**later[0], "all_reduce": later[0]["all_reduce"] + 2}, got["traced"]
         for grad_sbp, param_sbp in got["grad_sbps"].values():
             assert grad_sbp == param_sbp, got["grad_sbps"]
 
