@@ -34,17 +34,19 @@ from ._compiling import never_a_compiled_frame
 from ._layout import Layout
 from .comm._world import get_rank
 from .placement import Placement
-from .sbp import NdSbp
+from .sbp import Broadcast, NdSbp
 
 __all__ = [
     "GlobalTensor",
     "Meta",
     "as_global_grad",
     "bind_dispatcher",
+    "bind_gradient_discovery",
     "drop_grad_layout_hook",
     "is_global",
     "keep_grad_layout",
     "meta_of",
+    "register_grad_hook",
     "wrap",
 ]
 
@@ -358,38 +360,137 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
     so ``optimizer.step()`` is purely local.
 
-    A parameter whose gradients a ``sbpflow.nn.parallel.GradientSync`` reduces
-    carries ``_grad_sync``: the hook then leaves the gradient as it arrives and
-    the sync reduces it in buckets (NOTE [bucketed gradient sync] there), so no
-    gradient is reduced twice.
+    A gradient that arrives partial on an axis where the leaf is broadcast
+    (data parallelism) marks the leaf, and after AccumulateGrad the leaf is
+    shown to the gradient discovery that ``sbpflow.nn.parallel`` binds: from
+    then on a ``GradientSync`` reduces its gradients in buckets (NOTE [data
+    parallel by default] there). The sync removes these hooks while it reduces
+    (``drop_grad_layout_hook``) and marks the leaf ``_grad_sync``, so no gradient
+    is reduced twice. Inside ``no_sync()`` (``_no_sync_depth``) such a gradient
+    is left partial.
     """
-    if not isinstance(leaf, GlobalTensor) or getattr(leaf, "_grad_layout_hook", None) is not None:
+    if not isinstance(leaf, GlobalTensor) or leaf.__dict__.get("_grad_hooks") is not None:
         return
-    # The hook reads the leaf's attributes through its ``__dict__``, not the tensor: no
-    # reference cycle through the hook, and no weakref, which ``torch.utils.swap_tensors``
-    # (``module.to(...)`` under ``torch.__future__.set_swap_module_params_on_conversion``)
-    # refuses. A swap moves the dict and the hooks together; ``p.data = g`` updates the dict.
+    pre = register_grad_hook(leaf, _to_own_layout)
+    post = leaf.register_post_accumulate_grad_hook(_after_accumulate)
+    leaf.__dict__["_grad_hooks"] = _NotCopied((pre, post))
+
+
+# NOTE [hooks that find their leaf]
+# The hooks of ``keep_grad_layout`` are module-level functions holding nothing:
+# the pre-hook finds its leaf as the AccumulateGrad node running it
+# (``_current_autograd_node().variable``), the post-hook is given it. So no
+# reference cycle runs through the C++ hook list (which the garbage collector
+# cannot see), no weakref is taken (``torch.utils.swap_tensors``, which
+# ``module.to(...)`` uses on global parameters, refuses tensors with weakrefs),
+# and the leaf's ``__dict__`` is always the leaf's own: a swap moves it with the
+# tensor, and ``copy.deepcopy`` gives the copy a new one after its hooks were
+# registered. What the hooks keep in ``__dict__`` for their own bookkeeping
+# (handles, the hook dict) is ``_NotCopied``: a copy or an unpickled tensor has
+# hooks of its own, not these.
+class _NotCopied:
+    """A value in a tensor's ``__dict__`` that ``copy.deepcopy`` and pickling drop (to None)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+    def __reduce__(self) -> Any:
+        return (_dropped, ())
+
+
+def _dropped() -> None:
+    return None
+
+
+def _to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
+    """Pre-hook of ``keep_grad_layout`` (NOTE [hooks that find their leaf])."""
+    leaf = getattr(torch._C._current_autograd_node(), "variable", None)
+    if leaf is None:
+        return None
     attrs = leaf.__dict__
+    if attrs.get("_grad_sync") is not None:
+        return None  # reduced in buckets by its GradientSync
+    own: Layout = attrs["_meta"].layout
+    if not isinstance(grad, GlobalTensor) or grad._layout == own:
+        return None
+    if _partial_on_a_data_axis(grad._layout, own):
+        attrs["_grad_arrived_partial"] = True
+        if attrs.get("_no_sync_depth"):
+            return None  # accumulated as it is, reduced after the no_sync() block
+    # The ranks agree by construction (the same backward on every rank): no meta check.
+    return grad.to_global(own.placement, own.sbp, check_meta=False)
 
-    def to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
-        if attrs.get("_grad_sync") is not None:
-            return None  # reduced in buckets by its GradientSync
-        own: Layout = attrs["_meta"].layout
-        if not isinstance(grad, GlobalTensor) or grad._layout == own:
-            return None
-        # The ranks agree by construction (the same backward on every rank): no meta check.
-        return grad.to_global(own.placement, own.sbp, check_meta=False)
 
-    leaf._grad_layout_hook = leaf.register_hook(to_own_layout)  # type: ignore[attr-defined]
+def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+    """``leaf.register_hook(hook)``, also after ``torch.utils.swap_tensors``.
+
+    ``module.to(...)``/``.double()`` swap a global parameter's contents with a new tensor's
+    (``Module._apply`` swaps wrapper subclasses). The swap moves the tensor and its
+    ``__dict__`` but leaves behind the Python dict of its gradient hooks, which stays tied to
+    the old tensor: a hook added to it afterwards would never run. The dict tied to this
+    tensor is kept in its ``__dict__`` (which moves with it) and put back first.
+    """
+    if not isinstance(leaf, GlobalTensor):
+        return leaf.register_hook(hook)
+    attrs = leaf.__dict__
+    mine = attrs.get("_grad_hooks_dict")
+    if mine is not None and leaf._backward_hooks is not mine.value:
+        leaf._backward_hooks = mine.value  # re-attaches it to this tensor (it has no others)
+    handle = leaf.register_hook(hook)
+    attrs["_grad_hooks_dict"] = _NotCopied(leaf._backward_hooks)
+    return handle
+
+
+def _partial_on_a_data_axis(grad: Layout, own: Layout) -> bool:
+    """Whether ``grad`` is not broadcast on an axis where ``own`` is, over more than one rank."""
+    if grad.placement != own.placement:
+        return False
+    shape = own.placement.shape
+    return any(
+        type(mine) is Broadcast and type(theirs) is not Broadcast and shape[axis] > 1
+        for axis, (mine, theirs) in enumerate(zip(own.sbp, grad.sbp, strict=True))
+    )
+
+
+# Bound by ``sbpflow.nn.parallel`` (NOTE [data parallel by default] there): shown each leaf
+# whose gradient arrived partial on a data axis, after AccumulateGrad.
+_gradient_discovery: Callable[[GlobalTensor], None] | None = None
+
+
+def bind_gradient_discovery(see: Callable[[GlobalTensor], None]) -> None:
+    """Show ``see`` every leaf whose gradient arrives partial on an axis where it is broadcast."""
+    global _gradient_discovery
+    _gradient_discovery = see
+
+
+def _after_accumulate(leaf: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of ``keep_grad_layout``: a marked leaf goes to discovery."""
+    attrs = leaf.__dict__
+    if not attrs.pop("_grad_arrived_partial", False):
+        return
+    if not attrs.get("_no_sync_depth"):
+        # A gradient accumulated partial inside no_sync() is still partial: box the sum.
+        grad, own = leaf.grad, attrs["_meta"].layout
+        if isinstance(grad, GlobalTensor) and grad._layout != own:
+            leaf.grad = grad.to_global(own.placement, own.sbp, check_meta=False)
+    if _gradient_discovery is not None:
+        _gradient_discovery(leaf)  # type: ignore[arg-type]
 
 
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
-    """Remove ``keep_grad_layout``'s hook from ``leaf`` (a ``GradientSync`` that reduces its
-    gradients drops it, so backward makes one Python call fewer per parameter, and calls
-    ``keep_grad_layout`` again when it stops)."""
-    handle = leaf.__dict__.pop("_grad_layout_hook", None)
-    if handle is not None:
-        handle.remove()
+    """Remove ``keep_grad_layout``'s hooks from ``leaf`` (a ``GradientSync`` that reduces its
+    gradients drops them, so backward makes fewer Python calls per parameter, and calls
+    ``keep_grad_layout`` again when it stops). A deep copy's hooks have no handles here: they
+    stay, and do nothing for a leaf with a ``_grad_sync``."""
+    hooks = leaf.__dict__.pop("_grad_hooks", None)
+    if hooks is not None:
+        for handle in hooks.value:
+            handle.remove()
 
 
 def as_global_grad(grad: Any, where: str) -> GlobalTensor:

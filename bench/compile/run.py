@@ -173,8 +173,9 @@ def _build(config: dict[str, Any], rank: int, mesh: Any) -> tuple[dict[str, Any]
     )
 
     bucketed = config["bucketed"]
-    if bucketed:  # sbpflow's parameters hand their gradients to buckets instead of reducing
-        sbpflow.nn.parallel.sync_gradients(sbp_model)
+    # sbpflow reduces a global model's gradients in buckets by default (one bucket at this
+    # size); one bucket per parameter, each launched as its gradient arrives, otherwise.
+    sbpflow.nn.parallel.sync_gradients(sbp_model, bucket_cap_mb=None if bucketed else 1e-6)
 
     def reduce_plain(module: nn.Module = plain) -> None:
         grads = [p.grad for p in module.parameters()]
@@ -403,7 +404,7 @@ def section(
                 "one bucket (sbpflow: `sync_gradients`; DTensor and plain torch: the flattened "
                 "gradients, one `dist.all_reduce`). "
                 if config["bucketed"]
-                else "one collective per parameter (sbpflow's parameter hooks, DTensor's "
+                else "one collective per parameter (sbpflow: a bucket per parameter, DTensor's "
                 "`redistribute` to `Replicate()`, plain torch's `dist.all_reduce`). "
             )
             + "sbpflow and DTensor compute the mean loss of the whole batch, so their step holds "

@@ -335,7 +335,9 @@ def _check(results: list[list[tuple[str, dict[str, Any]]]]) -> None:
             for step, (ran, eager) in enumerate(got["collectives"]):
                 extra = collections.Counter(ran) - collections.Counter(eager)
                 assert not extra, f"{where}: step {step} ran {ran}, eager ran {eager}"
-            assert len({str(c) for c in got["collectives"]}) == 1, (where, got["collectives"])
+            # The same every step after the first (whose backward reduces each data-parallel
+            # gradient on its own before they join buckets: NOTE [data parallel by default]).
+            assert len({str(c) for c in got["collectives"][1:]}) == 1, (where, got["collectives"])
 
 
 def test_compiled_training_on_one_axis() -> None:
@@ -347,7 +349,8 @@ def test_compiled_training_on_one_axis() -> None:
         frames = {label: got["frames"] for label, got in per_rank}
         assert frames == {"DP mlp inductor": 1, "DP block": 2, "TP mlp": 1, "TP block": 1}, frames
         in_graph = {label: got["graph_collectives"] for label, got in per_rank}
-        # Data parallel: gradients are reduced by the parameters' hooks, outside the graph.
+        # Data parallel: gradients are reduced by the parameters' hooks (their buckets), outside
+        # the graph.
         assert in_graph["DP mlp inductor"] == in_graph["DP block"] == {}, in_graph
         assert in_graph["TP block"], in_graph  # attention heads: boxing inside the graph
         assert per_rank[2][1]["collectives"][0][0], per_rank  # TP mlp: the loss reduces P

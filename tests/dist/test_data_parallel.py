@@ -1,12 +1,13 @@
-"""Bucketed gradient sync (``sync_gradients``) and ``DistributedDataParallel`` against
-single-process training computed in the same job.
+"""Bucketed gradient sync (a global model's default buckets, ``sync_gradients``) and
+``DistributedDataParallel`` against single-process training computed in the same job.
 
 The model has a parameter its forward never uses (``unused``): its gradient must stay
 None, as in the single-process reference, so AdamW leaves it alone. Every run trains 5
 steps of SGD-momentum and of AdamW; a step is one batch or 4 micro-batches accumulated
 with ``no_sync()`` (the reference accumulates the same micro-batches in one process).
 Global data parallelism runs on 2 and 4 ranks and as DP x TP on a 2x2 mesh (axis 0 data,
-axis 1 a column- then row-parallel Linear); DDP keeps local tensors, each rank a slice of
+axis 1 a column- then row-parallel Linear), with nothing to call (the default buckets,
+``no_sync(model)`` to accumulate) and with ``sync_gradients``; DDP keeps local tensors, each rank a slice of
 the batch. Losses of a step are means over the whole (micro-)batch, so the summed or
 averaged gradients equal the reference's. Bucket launches are traced: how many
 all_reduces ran in each backward, and (overlap) that the first bucket is launched before
@@ -28,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import sbpflow
 from sbpflow.comm import collectives
-from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients
+from sbpflow.nn.parallel import DistributedDataParallel, no_sync, sync_gradients
 from sbpflow.sbp import Broadcast, Partial, Split, sbp_str
 from sbpflow.testing import get_pool
 
@@ -114,13 +115,23 @@ def _megatron(name: str, t: torch.Tensor) -> Any:
 
 
 def _train_global(
-    placement: sbpflow.Placement, param_sbp: Any, batch_sbp: Any, optimizer: str, num_micro: int
+    placement: sbpflow.Placement,
+    param_sbp: Any,
+    batch_sbp: Any,
+    optimizer: str,
+    num_micro: int,
+    synced: bool,
 ) -> dict[str, Any]:
+    """``synced``: with ``sync_gradients`` (small buckets); else the default buckets."""
     torch.manual_seed(0)
     reference = Net()
     full = (B,) * placement.ndim
     model = copy.deepcopy(reference).to_global(placement, full).to_global(placement, param_sbp)
-    sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
+    if synced:
+        sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
+        pause, buckets = sync.no_sync, sync.buckets
+    else:
+        pause, buckets = (lambda: no_sync(model)), None
     opt_ref, opt = (
         _OPTIMIZERS[optimizer](reference.parameters()),
         _OPTIMIZERS[optimizer](model.parameters()),
@@ -137,7 +148,7 @@ def _train_global(
             gy = y.to_global(placement, full).to_global(sbp=batch_sbp)
             last = i == num_micro - 1
             with (
-                contextlib.nullcontext() if last else sync.no_sync(),
+                contextlib.nullcontext() if last else pause(),
                 sbpflow.boxing.trace() as t,
                 _recording_launches(launches),
             ):
@@ -163,28 +174,41 @@ def _train_global(
         "accumulating_sbps": sorted(accumulating_sbps),
         "grad_sbps": grad_sbps,
         "unused_grads_none": unused_grads,
-        "buckets": sync.buckets,
+        "buckets": buckets,
         "launch_groups": sorted({e.split(" over ")[1] for e in launches}),
         "row_bias_sbps": sorted(row_bias_sbps),
     }
 
 
-def global_data_parallel_job() -> list[tuple[str, dict[str, Any]]]:
+def global_data_parallel_job(synced: bool) -> list[tuple[str, dict[str, Any]]]:
     world = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
     return [
-        (f"{opt} micro={n}", _train_global(world, B, S0, opt, n))
+        (f"{opt} micro={n}", _train_global(world, B, S0, opt, n, synced))
         for opt in _OPTIMIZERS
         for n in (1, 4)
     ]
 
 
-def global_mesh_job() -> list[tuple[str, dict[str, Any]]]:
+def global_mesh_job(synced: bool) -> list[tuple[str, dict[str, Any]]]:
     mesh = sbpflow.placement("cpu", [[0, 1], [2, 3]])
     return [
-        (f"2x2 {opt} micro={n}", _train_global(mesh, _megatron, (S0, B), opt, n))
+        (f"2x2 {opt} micro={n}", _train_global(mesh, _megatron, (S0, B), opt, n, synced))
         for opt in _OPTIMIZERS
         for n in (1, 4)
     ]
+
+
+def _default_reduce_counts(got: dict[str, Any], num_micro: int, per_backward: int) -> None:
+    """The default path: the first backward (the first micro-batch's) discovers the
+    parameters; from then on ``per_backward`` all_reduces (one per bucket) in each synced
+    backward and none while accumulating."""
+    counts = got["reduce_counts"]
+    later = counts[num_micro:]
+    assert later == ([0] * (num_micro - 1) + [per_backward]) * (_STEPS - 1), counts
+    if num_micro > 1:  # discovered inside no_sync(): nothing reduced in step 0 until its end
+        assert counts[:num_micro] == [0] * (num_micro - 1) + [per_backward], counts
+    else:  # discovered on the per-parameter path: one all_reduce per used parameter
+        assert counts[0] >= per_backward, counts
 
 
 def _check_values(results: list[list[tuple[str, dict[str, Any]]]]) -> None:
@@ -198,14 +222,23 @@ def _check_values(results: list[list[tuple[str, dict[str, Any]]]]) -> None:
                 assert grad_sbp == param_sbp, f"{where}: {name}.grad {grad_sbp}, param {param_sbp}"
 
 
+@pytest.mark.parametrize("synced", [False, True], ids=["default", "sync_gradients"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_global_data_parallel_matches_single_process(world_size: int) -> None:
-    """Broadcast parameters, S(0) batch, buckets of ~100 bytes: SGD and AdamW, one batch or
-    4 no_sync micro-batches per step, equal single-process training on the whole batch."""
-    results = get_pool(world_size).run(global_data_parallel_job)
+def test_global_data_parallel_matches_single_process(world_size: int, synced: bool) -> None:
+    """Broadcast parameters, S(0) batch, the default buckets or sync_gradients' buckets of
+    ~100 bytes: SGD and AdamW, one batch or 4 no_sync micro-batches per step, equal
+    single-process training on the whole batch."""
+    results = get_pool(world_size).run(global_data_parallel_job, synced)
     _check_values(results)
     for per_rank in results:
         for label, got in per_rank:
+            num_micro = 4 if label.endswith("micro=4") else 1
+            assert got["launch_groups"] == [str(list(range(len(results))))], (label, got)
+            if num_micro > 1:  # gradients stay partial sums while accumulating
+                assert got["accumulating_sbps"] == ["P"], (label, got)
+            if not synced:  # one bucket (of 25 MB): the unused parameters never join
+                _default_reduce_counts(got, num_micro, 1)
+                continue
             assert got["buckets"] == [
                 ["fc2.bias", "fc2.weight"],
                 ["unused.bias", "unused.weight"],
@@ -213,17 +246,16 @@ def test_global_data_parallel_matches_single_process(world_size: int) -> None:
             ], got["buckets"]
             # One all_reduce per bucket with a gradient (the unused one has none), in the
             # last micro-batch's backward only; none from the per-parameter path.
-            num_micro = 4 if label.endswith("micro=4") else 1
             assert got["reduce_counts"] == ([0] * (num_micro - 1) + [2]) * _STEPS, (label, got)
-            assert got["launch_groups"] == [str(list(range(len(results))))], (label, got)
-            if num_micro > 1:  # gradients stay partial sums while accumulating
-                assert got["accumulating_sbps"] == ["P"], (label, got)
 
 
-def test_global_data_and_tensor_parallel_on_2x2_mesh() -> None:
+@pytest.mark.parametrize("synced", [False, True], ids=["default", "sync_gradients"])
+def test_global_data_and_tensor_parallel_on_2x2_mesh(synced: bool) -> None:
     """Parameters (B, S(k)) and a (S(0), B) batch on a 2x2 mesh, buckets reducing over the
-    data axis: equal single-process training; gradients arrive in the parameters' layouts."""
-    results = get_pool(4).run(global_mesh_job)
+    data axis (the default ones or sync_gradients'): equal single-process training;
+    gradients arrive in the parameters' layouts; every bucket all_reduce runs over the data
+    axis' groups, except the one of a parameter broadcast on both axes."""
+    results = get_pool(4).run(global_mesh_job, synced)
     _check_values(results)
     for rank, per_rank in enumerate(results):
         for label, got in per_rank:
@@ -238,6 +270,8 @@ def test_global_data_and_tensor_parallel_on_2x2_mesh() -> None:
             assert got["launch_groups"] == [data_group], (label, got)
             if label.endswith("micro=4"):
                 assert got["row_bias_sbps"] == ["(P, B)"], (label, got)
+            if not synced:  # one default bucket, reduced over the data axis
+                _default_reduce_counts(got, 4 if label.endswith("micro=4") else 1, 1)
 
 
 # -- DistributedDataParallel ------------------------------------------------------------
@@ -343,6 +377,11 @@ def partial_use_job() -> dict[str, dict[str, float]]:
             [[i < 2] * world for i in range(4)],
         ),
         (
+            "global default buckets, extra in the first 2 of 4 micro-batches",
+            True,
+            [[i < 2] * world for i in range(4)],
+        ),
+        (
             "ddp, extra in the first 2 of 4 micro-batches",
             False,
             [[i < 2] * world for i in range(4)],
@@ -353,13 +392,15 @@ def partial_use_job() -> dict[str, dict[str, float]]:
         torch.manual_seed(0)
         reference = Branchy()
         model: nn.Module = copy.deepcopy(reference)
-        if is_global:
+        if is_global and "default" in label:
             model = model.to_global(placement, B)
-            sync = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB)
-            no_sync = sync.no_sync
+            pause: Callable[[], Any] = lambda model=model: no_sync(model)  # noqa: E731
+        elif is_global:
+            model = model.to_global(placement, B)
+            pause = sync_gradients(model, bucket_cap_mb=_SMALL_CAP_MB).no_sync
         else:
             model = DistributedDataParallel(model, bucket_cap_mb=_SMALL_CAP_MB)
-            no_sync = model.no_sync
+            pause = model.no_sync
         opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(2):
@@ -370,7 +411,7 @@ def partial_use_job() -> dict[str, dict[str, float]]:
             opt_ref.step()
             opt.zero_grad()
             for i, ((x, y), use) in enumerate(zip(batches, uses, strict=True)):
-                with contextlib.nullcontext() if i == len(uses) - 1 else no_sync():
+                with contextlib.nullcontext() if i == len(uses) - 1 else pause():
                     if is_global:
                         gx, gy = x.to_global(placement, B), y.to_global(placement, B)
                         gx, gy = gx.to_global(sbp=S0), gy.to_global(sbp=S0)
@@ -391,9 +432,10 @@ def partial_use_job() -> dict[str, dict[str, float]]:
 
 
 def test_parameters_used_in_some_micro_batches_or_ranks_only() -> None:
-    """A branch used only in early micro-batches (global DP and DDP) has its accumulated
-    gradient reduced at the end; a branch used on one rank only (DDP) gets the mean of that
-    rank's gradient and zeros: both equal single-process training, computed in the job."""
+    """A branch used only in early micro-batches (global DP, default buckets or synced, and
+    DDP) has its accumulated gradient reduced at the end; a branch used on one rank only
+    (DDP) gets the mean of that rank's gradient and zeros: both equal single-process
+    training, computed in the job."""
     for per_rank in get_pool(2).run(partial_use_job):
         assert per_rank and all(not errors for errors in per_rank.values()), per_rank
 
@@ -724,9 +766,11 @@ def removed_sync_job() -> dict[str, Any]:
     return out
 
 
-def test_removed_sync_gives_gradients_back_to_the_per_parameter_path() -> None:
-    """After ``GradientSync.remove()`` each gradient is reduced by its parameter's own hook
-    (no bucket launch), equal to one process's and broadcast; syncing again uses buckets."""
+def test_removed_sync_gives_gradients_back_to_the_default_path() -> None:
+    """After ``GradientSync.remove()`` the parameters are back on the default path: their
+    next backward reduces each gradient in its own hook (no bucket launch) and they join
+    default buckets at its end; ``sync_gradients`` again replaces those by its own. Every
+    phase's gradients equal one process's and are broadcast."""
     for result in get_pool(2).run(removed_sync_job):
         assert result["synced"]["launches"] == 1, result
         assert result["removed"]["launches"] == 0, result

@@ -3,28 +3,32 @@
 # NOTE [bucketed gradient sync]
 # A data-parallel parameter is broadcast (B) on its data axes and its gradient
 # arrives there as a partial sum (P): each rank holds the gradient of its own
-# slice of the batch. Instead of one synchronous all_reduce per parameter
-# (``keep_grad_layout``'s hook in ``_global``), ``GradientSync``:
-#   1. fixes buckets before the first backward (NOTE [bucket order] in ``_buckets``)
-#      and gives each one flat buffer for good (NOTE [gradients are bucket views]);
-#   2. leaves each gradient as it arrives (it removes ``keep_grad_layout``'s hook
-#      and marks the parameter ``_grad_sync``) and, once AccumulateGrad has written it
-#      to ``.grad``, marks it ready and puts it in its place in the flat buffer
-#      (a post-accumulate-grad hook);
+# slice of the batch. ``GradientSync`` reduces a set of such parameters
+# (``GlobalParam`` or ``LocalParam``, in ``_params``):
+#   1. its buckets are fixed when it is made, from its parameters in launch
+#      order (NOTE [bucket order] in ``_buckets``), and each bucket gets one flat
+#      buffer for good (NOTE [gradients are bucket views]);
+#   2. a pre-hook prepares each gradient before AccumulateGrad writes it to
+#      ``.grad`` and a post-accumulate-grad hook marks it ready and copies it into
+#      its place in the flat buffer;
 #   3. as soon as a bucket's gradients are all ready, and every bucket before it
-#      has been launched, starts an ``all_reduce(async_op=True)`` of its flat
-#      buffer over the group along the bucket's data axes, while backward goes
+#      has been launched, an ``all_reduce(async_op=True)`` of its flat buffer
+#      starts over the group along the bucket's data axes, while backward goes
 #      on computing earlier layers' gradients;
-#   4. at the end of backward (torch's ``queue_callback``, as torch DDP does)
-#      launches the buckets still open, with zeros for gradients that never
-#      came, waits for all of them and sets each ``.grad`` to its reduced piece
-#      of the flat buffer, laid out as the parameter.
+#   4. at the end of backward (torch's ``queue_callback``, as torch DDP does) the
+#      buckets still open are launched, with zeros for gradients that never
+#      came, every launch is waited for, and each ``.grad`` is set to its reduced
+#      piece of the flat buffer, laid out as the parameter.
 # Only the axes where the parameter is B and some gradient of the bucket is not
 # (P, or S which becomes P locally) are reduced; a gradient that is B on such
 # an axis is boxed B -> P (zeros off the axis' first rank) so the sum is right.
-# Averaging (DistributedDataParallel) divides each gradient by the number of
-# replicas as it is copied in (times the reciprocal, as torch DDP does, so the values
-# are torch DDP's), so no pass over the buffer is added.
+# Averaging (DistributedDataParallel) multiplies each gradient by the reciprocal
+# of the number of replicas as it is copied in, as torch DDP does (the same
+# values as torch DDP's), so no pass over the buffer is added.
+#
+# A global model gets this with nothing to call (NOTE [data parallel by
+# default] in ``_default``); ``sync_gradients`` and ``DistributedDataParallel``
+# make one explicitly.
 #
 # Unused parameters: a gradient that is None on every rank of the group stays
 # None (the optimizer skips it, as with torch DDP's find_unused_parameters).
@@ -33,10 +37,45 @@
 # (DDP) parameter unused on some ranks only gets the mean of the others' and
 # zeros.
 #
-# Gradient accumulation: inside ``no_sync()`` the hooks do nothing, so ``.grad``
-# keeps accumulating the partial sums; the first backward outside it reduces
-# the accumulated sum, including gradients that were computed only in earlier
-# micro-batches (they are read from ``.grad`` at the end of backward).
+# Gradient accumulation: inside ``no_sync()`` the hooks leave the buckets of
+# the parameters it holds alone, so ``.grad`` keeps accumulating the partial
+# sums; the first backward outside it reduces the accumulated sum, including
+# gradients that were computed only in earlier micro-batches (they are read
+# from ``.grad`` at the end of backward). Without ``no_sync`` every backward
+# reduces, and the sums of reduced gradients are the same values.
+#
+# What stays on the per-parameter path (the gradient boxed to the parameter's
+# layout by the pre-hook, nothing bucketed): ``torch.autograd.grad`` (the
+# gradient is returned, not accumulated) and ``backward(create_graph=True)``
+# (``.grad`` must keep its history; a bucket copy has none).
+
+# NOTE [bucket states]
+# A bucket is in one ``BucketState`` at a time; one backward pass is a round:
+#   IDLE      between rounds: the views hold the last reduced gradients.
+#   FILLING   the round has begun for it (its first gradient, or the end of
+#             backward): gradients are copied in as they arrive.
+#   LAUNCHED  its all_reduce is in flight: nothing may touch the buffer.
+#   PAUSED    a parameter of it is inside ``no_sync()``: this round leaves it alone.
+# IDLE -> FILLING on the round's first event for the bucket (after the check of
+# NOTE [who else holds a gradient]); FILLING -> LAUNCHED at its launch; LAUNCHED
+# -> IDLE once waited for and written back; PAUSED -> IDLE at the end of the
+# round. A gradient that arrives for a LAUNCHED bucket (its AccumulateGrad ran
+# again: reentrant activation checkpointing, or two pipelined micro-batches'
+# backward passes interleaved on one rank) first waits for the bucket and writes
+# it back; the bucket is then FILLING again and launched once more at the end
+# of backward, with the reduced gradients of its other parameters relabelled
+# B -> P, so the sum stays exact. A round whose backward pass raised never
+# reaches its end: the next round finds its callback gone and starts afresh.
+
+# NOTE [who owns a sync]
+# A ``GradientSync`` lives as long as what made it holds it: each global
+# parameter it reduces (``p._grad_sync``, in the parameter's ``__dict__``), or
+# the ``DistributedDataParallel`` wrapper. Its gradient hooks hold it weakly:
+# they are kept by the parameter's C++ autograd metadata, which the garbage
+# collector cannot see into, so a strong reference there would keep the
+# parameters, the sync and its buffers alive forever once the model is dropped
+# (sync -> parameter -> hook -> sync). The parameters are never held weakly:
+# ``torch.utils.swap_tensors`` (``module.to(...)``) refuses tensors with weakrefs.
 
 # NOTE [gradients are bucket views]
 # As torch DDP's ``gradient_as_bucket_view``: after a synced backward each
@@ -55,30 +94,43 @@
 #     first relabels the view P, keeping its values on the first rank of the
 #     axes that change and zeroing it elsewhere (B -> P, in place), so the
 #     in-place add stays local and the sum is unchanged.
-# A ``.grad`` kept across steps therefore changes with the next backward, as
-# with torch DDP's bucket views; ``.grad.clone()`` to keep a copy.
+
+# NOTE [who else holds a gradient]
+# A ``.grad`` kept past ``zero_grad(set_to_none=True)`` (``g = p.grad``, a slice of
+# it, an optimizer's set-aside gradients) would be overwritten by the next
+# backward's copy into the same buffer: a silent wrong value. So each ``.grad``
+# handed out is a fresh alias of the bucket's view, and when a round begins for
+# a bucket, the number of tensors using its buffer is compared with the ones
+# the sync accounts for (the buffer, one view per parameter, the ``.grad`` of
+# each parameter that is still in the bucket). Any more: someone else holds a
+# piece, and the bucket moves to a new buffer (the gradients still in it copied
+# along) instead of overwriting theirs. A ``.grad`` that stays ``.grad``
+# (``zero_grad(set_to_none=False)``, accumulation) is updated in place, as in
+# one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, Meta, drop_grad_layout_hook, keep_grad_layout, meta_of, wrap
-from ..._layout import Layout
+from ..._global import drop_grad_layout_hook, keep_grad_layout, register_grad_hook
 from ...boxing import tracing as _trace
 from ...comm import _groups, collectives
 from ...comm._world import get_rank
 from ...placement import Placement
-from ...sbp import Broadcast, Partial
+from ...sbp import Broadcast
 from ._buckets import assign_buckets
+from ._params import NO_SYNC_DEPTH, GlobalParam, LocalParam, ReducedParam
 
-__all__ = ["GradientSync", "Member"]
+__all__ = ["BucketState", "GradientSync", "check_bucket_cap", "paused"]
 
 # With ``bucket_cap_mb`` left at its default, buckets hold 25 MB and the first bucket of
 # each kind 1 MiB, so reduction starts early in backward; a cap given explicitly applies to
@@ -86,116 +138,89 @@ __all__ = ["GradientSync", "Member"]
 # ``bucket_cap_mb`` is None).
 DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_BYTES = 1024 * 1024
-_SUM = Partial("sum")
 
 
-@dataclass(eq=False)
-class Member:
-    """One parameter whose gradient is reduced: its layout and whether it is a global tensor.
+class BucketState(enum.Enum):
+    """Where a bucket is in the running backward pass (NOTE [bucket states])."""
 
-    A local parameter (DistributedDataParallel) is read as broadcast on every axis of
-    ``layout.placement``, and its local gradient as this replica's partial sum. The
-    other fields are ``GradientSync``'s bookkeeping.
-    """
-
-    name: str
-    param: torch.nn.Parameter
-    layout: Layout
-    is_global: bool
-    ready: bool = False
-    # -- set by GradientSync on the ranks of the placement ------------------------------
-    view: torch.Tensor | None = field(default=None, repr=False)  # its piece of the bucket
-    reduced_grad: torch.Tensor | None = field(default=None, repr=False)  # .grad once reduced
-    partial_meta: Meta | None = field(default=None, repr=False)  # P on the bucket's axes
-    partial_grad: torch.Tensor | None = field(default=None, repr=False)  # .grad once filled
-    filled: bool = False  # this backward's piece is in ``view``
-    has_grad: bool = False  # ... and it came from a gradient (not zeros)
-    divide_at_launch: bool = False  # it was accumulated in ``view`` itself: divide it there
-
-    @property
-    def local(self) -> torch.Tensor:
-        return self.param._local if self.is_global else self.param  # type: ignore[attr-defined]
-
-    @property
-    def data_axes(self) -> tuple[int, ...]:
-        """The axes this parameter may be reduced over: broadcast, with more than one rank."""
-        placement = self.layout.placement
-        return tuple(
-            a
-            for a, s in enumerate(self.layout.sbp)
-            if isinstance(s, Broadcast) and placement.shape[a] > 1
-        )
+    IDLE = "idle"
+    FILLING = "filling"
+    LAUNCHED = "launched"
+    PAUSED = "paused"
 
 
 @dataclass(eq=False)
 class _Bucket:
-    members: list[Member]
+    members: list[ReducedParam]
     placement: Placement
     axes: tuple[int, ...]  # where its parameters are broadcast: the axes it may reduce over
     numel: int
     dtype: torch.dtype
     device: torch.device
     flat: torch.Tensor | None = None  # the gradients, then one flag per member
-    divisor: int = 1  # what each gradient is divided by as it is copied in
+    state: BucketState = BucketState.IDLE
     num_ready: int = 0
-    launched: bool = False
+    launched: bool = False  # launched at least once this round
     pending: collectives.PendingCollective | None = None
 
 
 class GradientSync:
-    """Reduces the gradients of ``members`` in buckets that overlap backward.
+    """Reduces the gradients of ``members`` (given in launch order) in buckets that overlap
+    backward (NOTE [bucketed gradient sync]).
 
-    Made by ``sync_gradients`` (global models) and ``DistributedDataParallel`` (local
-    ones). ``average=True`` divides each sum by the number of ranks it ran over.
+    Made with nothing to call for a global model's parameters (``_default``), by
+    ``sync_gradients`` and by ``DistributedDataParallel``. ``explicit``: made by one of
+    the last two (a user's settings), not by default.
     """
 
     def __init__(
-        self, members: Sequence[Member], bucket_cap_mb: float | None, average: bool
+        self,
+        members: Sequence[ReducedParam],
+        bucket_cap_mb: float | None,
+        *,
+        explicit: bool = True,
     ) -> None:
-        if bucket_cap_mb is not None:
-            if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-                raise TypeError(
-                    f"bucket_cap_mb must be a number of megabytes or None (the default, 25), "
-                    f"got {type(bucket_cap_mb).__name__}: {bucket_cap_mb!r}; e.g. "
-                    "bucket_cap_mb=25."
-                )
-            if not bucket_cap_mb > 0:
-                raise ValueError(
-                    f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
-                )
+        check_bucket_cap(bucket_cap_mb)
         self.bucket_cap_mb = (
             DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
         )
-        self._enabled = True
-        self._callback_queued = False
+        self.explicit = explicit
+        self._members = list(members)
+        self._round: Callable[[], Any] | None = None  # the end-of-backward callback, weakly
         self._next = 0  # the next bucket to launch
-        self._rank = rank = get_rank()
-        ordered = list(reversed(members))  # NOTE [bucket order]
-        entries = [(_bucket_key(m), m.local.numel() * m.local.element_size()) for m in ordered]
+        self._rank = get_rank()
         cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
         # torch DDP's rule: a small first bucket only when no cap was given
         first_cap_bytes = min(cap_bytes, FIRST_BUCKET_BYTES) if bucket_cap_mb is None else cap_bytes
-        self._buckets = [
-            _make_bucket([ordered[i] for i in indices], rank, average)
-            for indices in assign_buckets(entries, cap_bytes, first_cap_bytes)
-        ]
-        self._where: dict[int, tuple[_Bucket, Member]] = {}
-        for bucket in self._buckets:
-            # Groups are made by every rank together (NOTE [group creation order]): now, not
-            # in the middle of a backward pass that a rank outside the placement sits out.
-            _groups.ensure_placement_groups(bucket.placement, rank)
-            for member in bucket.members:
-                self._where[id(member.param)] = (bucket, member)
-        self._handles = [
-            m.param.register_post_accumulate_grad_hook(self._on_grad_ready) for m in ordered
-        ]
-        for m in ordered:
-            if m.is_global:
+        self._caps = (cap_bytes, first_cap_bytes)
+        self._buckets = self._make_buckets()
+        self._where = {id(m.param): m for m in self._members}
+        self._handles = []
+        for m in self._members:
+            if isinstance(m, GlobalParam):
                 m.param._grad_sync = self  # type: ignore[attr-defined]
-                drop_grad_layout_hook(m.param)  # type: ignore[arg-type]
-            if m.view is not None:
-                hook = functools.partial(self._before_accumulate, m)
-                self._handles.append(m.param.register_hook(hook))
+                drop_grad_layout_hook(m.param)
+        # The hooks hold the sync weakly (NOTE [who owns a sync]).
+        me = weakref.ref(self)
+        for index, m in enumerate(self._members):
+            self._handles.append(register_grad_hook(m.param, _pre_hook(me, index)))
+            self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me)))
+
+    def __deepcopy__(self, memo: Any) -> None:
+        """A copy of a global parameter gets no sync: its copy joins buckets of its own
+        (``copy.deepcopy(model)``); a ``DistributedDataParallel`` is not copied."""
+        self._refuse_copy()
+
+    def __reduce__(self) -> Any:
+        self._refuse_copy()
+        return (_no_sync_object, ())
+
+    def _refuse_copy(self) -> None:
+        if any(isinstance(m, LocalParam) for m in self._members):
+            raise TypeError(
+                "a DistributedDataParallel cannot be copied or pickled; copy or save the module "
+                "it wraps (ddp.module) and wrap the copy."
+            )
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -203,146 +228,157 @@ class GradientSync:
         """The parameter names of each bucket, in launch order."""
         return [[m.name for m in b.members] for b in self._buckets]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients it reduces, in launch order."""
+        return [m.param for m in self._members]
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside the block only accumulate gradients (partial sums).
 
         The first backward after the block reduces the accumulated sum, as torch DDP's
         ``no_sync``: run every micro-batch but the last inside it.
         """
-        previous, self._enabled = self._enabled, False
-        try:
-            yield
-        finally:
-            self._enabled = previous
+        return paused(self.params)
 
     def remove(self) -> None:
-        """Stop reducing: gradients go back to the per-parameter path (global parameters)."""
+        """Stop reducing: global parameters go back to the default path (``_default``)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for bucket in self._buckets:
-            for m in bucket.members:
-                if getattr(m.param, "_grad_sync", None) is self:
-                    del m.param._grad_sync  # type: ignore[attr-defined]
-                    keep_grad_layout(m.param)
+        for m in self._members:
+            if getattr(m.param, "_grad_sync", None) is self:
+                del m.param._grad_sync  # type: ignore[attr-defined]
+                keep_grad_layout(m.param)
+
+    def _make_buckets(self) -> list[_Bucket]:
+        """Buckets of the members, in order, for their current sizes (NOTE [bucket order])."""
+        members, rank = self._members, self._rank
+        entries = [(m.bucket_key(), m.local.numel() * m.local.element_size()) for m in members]
+        buckets = [
+            _make_bucket([members[i] for i in indices], rank)
+            for indices in assign_buckets(entries, *self._caps)
+        ]
+        for bucket in buckets:
+            # Groups are made by every rank together (NOTE [group creation order]): now, not
+            # in the middle of a backward pass that a rank outside the placement sits out.
+            _groups.ensure_placement_groups(bucket.placement, rank)
+        return buckets
 
     # -- during backward -------------------------------------------------------------
-    def _before_accumulate(self, m: Member, grad: torch.Tensor) -> torch.Tensor | None:
-        """Before AccumulateGrad adds ``grad`` in place to a global ``.grad`` in the bucket:
-        relabel a B ``.grad`` P in place (NOTE [gradients are bucket views]), and hand over
-        ``grad`` contiguous (a weight's gradient often arrives transposed in memory, and an
-        add reading it strided is far slower than one blocked copy first)."""
-        if not m.is_global:
-            # AccumulateGrad ran twice before the launch: the first gradient is in the view
-            # divided already, so the second must be too (its add is into the view).
-            divisor = self._where[id(m.param)][0].divisor
-            if m.filled and not m.divide_at_launch and divisor != 1:
-                return grad * (1.0 / divisor)
-            return None
-        current = m.param.grad
-        if (
-            not isinstance(current, GlobalTensor)
-            or not isinstance(grad, GlobalTensor)
-            or current._local.data_ptr() != m.view.data_ptr()  # type: ignore[union-attr]
-            or current.placement != grad.placement
-        ):
-            return None
-        if current._layout != grad._layout:
-            changed = []
-            for axis, (now, new) in enumerate(zip(current.sbp, grad.sbp, strict=True)):
-                if now == new:
-                    continue
-                if not (isinstance(now, Broadcast) and new == _SUM):
-                    return None  # not B -> P: the add boxes it (correct, not in place)
-                changed.append(axis)
-            coords = current.placement.coords_of(self._rank)
-            if any(coords[axis] != 0 for axis in changed):
-                current._local.zero_()  # B -> P keeps the value on the first rank only
-            m.param.grad = wrap(
-                current._local, meta_of(grad._layout, tuple(grad.shape), grad.dtype)
-            )
-        if grad._local.is_contiguous():
-            return None
-        return wrap(grad._local.contiguous(), meta_of(grad._layout, tuple(grad.shape), grad.dtype))
+    def _before(self, m: ReducedParam, grad: torch.Tensor) -> torch.Tensor | None:
+        """Pre-hook, before AccumulateGrad adds ``grad`` to ``.grad``."""
+        if not _accumulating():
+            return m.own_layout_grad(grad)
+        if m.view is None:
+            return None  # the parameter has no piece here
+        self._open_round()  # first: it may make the buckets again
+        bucket = m.bucket
+        if bucket.state is BucketState.LAUNCHED:  # it arrives again (NOTE [bucket states])
+            if isinstance(m, LocalParam):
+                raise RuntimeError(
+                    f"sbpflow: the gradient of {m.label} arrived again after its bucket was "
+                    "reduced in this backward pass (its AccumulateGrad ran twice, e.g. under "
+                    "reentrant activation checkpointing). Use torch.utils.checkpoint with "
+                    "use_reentrant=False, or run that backward inside no_sync()."
+                )
+            self._complete(bucket)
+        if bucket.state is BucketState.IDLE:
+            self._begin(bucket)
+        # Paused too: the add into a .grad in the bucket stays local (NOTE [gradients are
+        # bucket views]).
+        return m.before_accumulate(grad)
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._enabled:
-            return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-        bucket, member = self._where[id(param)]
-        if bucket.launched:
-            raise RuntimeError(
-                f"sbpflow: the gradient of {member.name!r} arrived again after its bucket was "
-                "reduced in this backward pass (its AccumulateGrad ran twice, e.g. under "
-                "reentrant activation checkpointing). Use torch.utils.checkpoint with "
-                "use_reentrant=False, or run that backward inside no_sync()."
-            )
-        if not member.ready:
-            member.ready = True
+    def _after(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: the gradient is in ``.grad``."""
+        if torch.is_grad_enabled():
+            return  # create_graph: the pre-hook kept it on the per-parameter path
+        m = self._where[id(param)]
+        bucket = m.bucket
+        if bucket.flat is None or bucket.state is not BucketState.FILLING:
+            return  # no piece here, or paused
+        if not m.ready:
+            m.ready = True
             bucket.num_ready += 1
-        if bucket.flat is not None:  # again if AccumulateGrad ran twice: the view has the sum
-            self._fill_on_arrival(bucket, member)
-        while self._next < len(self._buckets) and self._buckets[self._next].num_ready == len(
-            self._buckets[self._next].members
-        ):
-            self._launch(self._buckets[self._next])
+        m.fill_on_arrival()  # again if AccumulateGrad ran twice: the view has the sum
+        buckets = self._buckets
+        while self._next < len(buckets):
+            nxt = buckets[self._next]
+            if nxt.flat is None:  # this rank holds no piece of it
+                self._next += 1
+                continue
+            if nxt.state is BucketState.IDLE and not nxt.launched:
+                self._begin(nxt)
+            if nxt.state is BucketState.FILLING and nxt.num_ready == len(nxt.members):
+                self._launch(nxt)
+            elif nxt.state is not BucketState.PAUSED:
+                break
             self._next += 1
 
-    def _fill_on_arrival(self, bucket: _Bucket, m: Member) -> None:
-        """Copy a gradient into the bucket as it arrives, when its layout is the bucket's."""
-        grad = m.param.grad
-        if grad is None:
+    def _open_round(self) -> None:
+        """Once per backward pass: queue the end-of-backward callback; check the parameters."""
+        if self._round is not None:
+            if self._round() is not None:
+                return
+            self._reset()  # the backward pass that opened the round raised: start afresh
+        finish = functools.partial(self._finish)
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        # Held weakly: the graph task drops it when it ends, run or not (NOTE [bucket states]).
+        self._round = weakref.ref(finish)
+        if any([m.changed() for m in self._members]):
+            # ``p.data = ...`` (``module.to(...)``) gave a parameter another dtype, shape or
+            # layout: new buckets, from the same order on every rank.
+            self._buckets = self._make_buckets()
+
+    def _begin(self, bucket: _Bucket) -> None:
+        """The round's first event for ``bucket``: paused, or FILLING in a buffer of its own."""
+        if any(m.paused for m in bucket.members):
+            bucket.state = BucketState.PAUSED
             return
-        if not m.is_global:
-            _fill(bucket, m, grad)
-            # The fresh gradient is freed now, so backward's next allocation reuses its memory
-            # (freed only at the end of backward, it came back as fresh pages every step).
-            m.param.grad = m.view
-            return
-        if not isinstance(grad, GlobalTensor):
-            return  # _partial_piece says what is wrong at launch
-        meta = m.partial_meta
-        assert meta is not None
-        if grad._meta is meta or (grad._layout == meta.layout and grad.shape == m.param.shape):
-            _fill(bucket, m, grad._local)
-            m.param.grad = m.partial_grad  # the gradient is freed now; nothing is divided
-        # any other layout waits for the launch, which decides the axes to reduce
+        _move_if_held_elsewhere(bucket)
+        bucket.state = BucketState.FILLING
 
     def _finish(self) -> None:
         """End of backward: launch what is left (in order), wait for all, write ``.grad``."""
         try:
-            for bucket in self._buckets[self._next :]:
-                self._launch(bucket)
             for bucket in self._buckets:
-                self._write_back(bucket)
+                if bucket.flat is None:
+                    continue
+                if bucket.state is BucketState.IDLE and not bucket.launched:
+                    self._begin(bucket)
+                if bucket.state is BucketState.FILLING:
+                    self._launch(bucket)
+            for bucket in self._buckets:
+                if bucket.state is BucketState.LAUNCHED:
+                    self._complete(bucket)
         finally:
-            self._callback_queued = False
-            self._next = 0
-            for bucket in self._buckets:
-                bucket.num_ready, bucket.launched, bucket.pending = 0, False, None
-                for m in bucket.members:
-                    m.ready = m.filled = m.has_grad = m.divide_at_launch = False
+            self._reset()
+
+    def _reset(self) -> None:
+        self._round = None
+        self._next = 0
+        for bucket in self._buckets:
+            bucket.state, bucket.num_ready, bucket.launched = BucketState.IDLE, 0, False
+            bucket.pending = None
+            for m in bucket.members:
+                m.reset()
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.launched = True
         flat = bucket.flat
-        if flat is None:
-            return  # the parameters have no piece here
+        assert flat is not None
+        bucket.state, bucket.launched = BucketState.LAUNCHED, True
         rest = [m for m in bucket.members if not m.filled]
         # gradients copied in on arrival are partial on all the bucket's axes
         axes = bucket.axes if len(rest) < len(bucket.members) else _reduce_axes(bucket)
         for m in rest:
-            piece = _partial_piece(m, axes)
+            piece = m.piece_for_launch(axes)
             if piece is None:
                 m.view.zero_()  # type: ignore[union-attr]
             else:
-                _fill(bucket, m, piece)
+                m.fill(piece)
         for m in bucket.members:
             if m.divide_at_launch:
-                m.view.mul_(1.0 / bucket.divisor)  # type: ignore[union-attr]
+                m.view.mul_(1.0 / m.divisor)  # type: ignore[union-attr]
         if all(m.has_grad for m in bucket.members):
             flat[bucket.numel :].fill_(1.0)
         else:
@@ -356,22 +392,85 @@ class GradientSync:
         bucket.pending = collectives.all_reduce_async(flat, group, "sum")
         _trace.record(None, ["all_reduce"])
 
-    def _write_back(self, bucket: _Bucket) -> None:
-        if bucket.pending is None:
-            return
-        flat = bucket.pending.wait()
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s all_reduce and set each ``.grad`` to its reduced piece."""
+        pending = bucket.pending
+        assert pending is not None
+        flat = pending.wait()
         flags = flat[bucket.numel :].tolist()
         for m, flag in zip(bucket.members, flags, strict=True):
             if flag > 0:
-                m.param.grad = m.reduced_grad
+                m.param.grad = m.reduced_grad()
+            m.reset()
+        bucket.state, bucket.num_ready, bucket.pending = BucketState.IDLE, 0, None
 
 
-def _bucket_key(m: Member) -> Any:
-    local = m.local
-    return (m.layout.placement, m.data_axes, local.dtype, local.device)
+def _no_sync_object() -> None:
+    return None
 
 
-def _make_bucket(members: list[Member], rank: int, average: bool) -> _Bucket:
+def _pre_hook(
+    sync: weakref.ref[GradientSync], index: int
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def before_accumulate(grad: torch.Tensor) -> torch.Tensor | None:
+        me = sync()
+        return None if me is None else me._before(me._members[index], grad)
+
+    return before_accumulate
+
+
+def _post_hook(sync: weakref.ref[GradientSync]) -> Callable[[torch.Tensor], None]:
+    def after_accumulate(param: torch.Tensor) -> None:
+        me = sync()
+        if me is not None:
+            me._after(param)
+
+    return after_accumulate
+
+
+def check_bucket_cap(bucket_cap_mb: object) -> None:
+    """Raise if ``bucket_cap_mb`` is neither None nor a positive number of megabytes."""
+    if bucket_cap_mb is None:
+        return
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(
+            f"bucket_cap_mb must be a number of megabytes or None (the default, 25), got "
+            f"{type(bucket_cap_mb).__name__}: {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+        )
+    if not bucket_cap_mb > 0:
+        raise ValueError(
+            f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}; e.g. bucket_cap_mb=25."
+        )
+
+
+def _accumulating() -> bool:
+    """Whether the running backward pass accumulates gradients into ``.grad`` without a graph
+    of their own: not ``torch.autograd.grad`` and not ``create_graph=True``."""
+    if torch.is_grad_enabled():
+        return False
+    try:
+        return torch._C._will_engine_execute_node(torch._C._current_autograd_node())
+    except RuntimeError:  # torch.autograd.grad: a leaf's gradient is returned, not accumulated
+        return False
+
+
+@contextlib.contextmanager
+def paused(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Hold ``params`` in a ``no_sync()`` block: their buckets are left alone meanwhile."""
+    for p in params:
+        p.__dict__[NO_SYNC_DEPTH] = p.__dict__.get(NO_SYNC_DEPTH, 0) + 1
+    try:
+        yield
+    finally:
+        for p in params:
+            depth = p.__dict__.get(NO_SYNC_DEPTH, 1) - 1
+            if depth:
+                p.__dict__[NO_SYNC_DEPTH] = depth
+            else:
+                p.__dict__.pop(NO_SYNC_DEPTH, None)
+
+
+def _make_bucket(members: list[ReducedParam], rank: int) -> _Bucket:
     """The bucket of ``members``, with its flat buffer if ``rank`` holds a piece."""
     first = members[0]
     placement = first.layout.placement
@@ -383,80 +482,64 @@ def _make_bucket(members: list[Member], rank: int, average: bool) -> _Bucket:
         dtype=first.local.dtype,
         device=first.local.device,
     )
-    if rank not in placement:
-        return bucket
-    flat = torch.zeros(bucket.numel + len(members), dtype=bucket.dtype, device=bucket.device)
-    bucket.flat = flat
-    if average:
-        bucket.divisor = 1
-        for axis in bucket.axes:
-            bucket.divisor *= placement.shape[axis]
-    offset = 0
+    divisor = 1
+    for axis in bucket.axes:
+        divisor *= placement.shape[axis]
     for m in members:
-        local = m.local
-        m.view = flat[offset : offset + local.numel()].view(local.shape)
-        offset += local.numel()
-        if not m.is_global:
-            m.reduced_grad = m.view
-            continue
-        shape, sbp = tuple(m.param.shape), m.layout.sbp
-        partial = tuple(_SUM if a in bucket.axes else s for a, s in enumerate(sbp))
-        m.partial_meta = meta_of(Layout(placement, partial), shape, local.dtype)
-        m.partial_grad = wrap(m.view, m.partial_meta)
-        m.reduced_grad = wrap(m.view, meta_of(m.layout, shape, local.dtype))
+        m.bucket = bucket
+        m.divisor = divisor if isinstance(m, LocalParam) else 1
+    if rank in placement:
+        flat = torch.zeros(bucket.numel + len(members), dtype=bucket.dtype, device=bucket.device)
+        _attach(bucket, flat)
     return bucket
 
 
-def _fill(bucket: _Bucket, m: Member, piece: torch.Tensor) -> None:
-    """Put this rank's partial gradient ``piece`` of ``m`` in its place in the bucket."""
-    view = m.view
-    assert view is not None
-    if piece.numel() != view.numel():
-        raise RuntimeError(
-            f"sbpflow: the gradient of {m.name!r} has {piece.numel()} local elements, "
-            f"its parameter {view.numel()}; was the parameter replaced or resized after "
-            "its gradients were set up to be synced? Set them up again afterwards."
-        )
-    if piece.shape != view.shape:
-        piece = piece.reshape(view.shape)
-    if piece.data_ptr() == view.data_ptr() and piece.stride() == view.stride():
-        # accumulated in place (zero_grad(set_to_none=False)); divided once, at the launch.
-        # Already filled: a second AccumulateGrad added to it, divided as needed (pre-hook).
-        if not m.filled:
-            m.divide_at_launch = bucket.divisor != 1
-    elif bucket.divisor != 1:
-        # times the reciprocal, as torch DDP averages (a multiply is cheaper than a divide)
-        torch.mul(piece, 1.0 / bucket.divisor, out=view)
-    else:
-        view.copy_(piece)
-    m.filled = m.has_grad = True
+def _attach(bucket: _Bucket, flat: torch.Tensor) -> None:
+    """Give ``bucket`` the buffer ``flat``: each member's view of its place in it."""
+    bucket.flat = flat
+    offset = 0
+    for m in bucket.members:
+        shape = m.local.shape
+        numel = m.local.numel()
+        m.attach(flat[offset : offset + numel].view(shape), bucket.axes)
+        offset += numel
+
+
+def _move_if_held_elsewhere(bucket: _Bucket) -> None:
+    """Move ``bucket`` to a new buffer if a tensor it does not account for uses the old one
+    (NOTE [who else holds a gradient])."""
+    flat = bucket.flat
+    assert flat is not None
+    start = flat.data_ptr()
+    end = start + flat.numel() * flat.element_size()
+    held: dict[int, tuple[ReducedParam, torch.Tensor]] = {}  # .grad still in the bucket
+    for m in bucket.members:
+        local = m.grad_local()
+        if local is not None and local is not m.view and start <= local.data_ptr() < end:
+            held[id(local)] = (m, local)
+    # the buffer, each member's view, each .grad in it, and the storage object asked
+    accounted = 2 + len(bucket.members) + len(held)
+    if torch._C._storage_Use_Count(flat.untyped_storage()._cdata) <= accounted:
+        return
+    moved = flat.clone()
+    _attach(bucket, moved)
+    for m, local in held.values():
+        offset = (local.data_ptr() - start) // flat.element_size()
+        piece = moved.as_strided(local.shape, local.stride(), offset)
+        m.param.grad = m.regrad(piece)
 
 
 def _reduce_axes(bucket: _Bucket) -> tuple[int, ...]:
     """The bucket's data axes on which some gradient is not already broadcast."""
-    if not all(m.is_global for m in bucket.members):
+    if not all(isinstance(m, GlobalParam) for m in bucket.members):
         return bucket.axes  # a local gradient is always a partial sum
     axes: set[int] = set()
     for m in bucket.members:
         grad = m.param.grad
         if grad is None:
             continue
-        if not isinstance(grad, GlobalTensor) or grad.placement != bucket.placement:
+        layout = getattr(grad, "_layout", None)
+        if layout is None or layout.placement != bucket.placement:
             return bucket.axes
-        axes.update(a for a in bucket.axes if not isinstance(grad.sbp[a], Broadcast))
+        axes.update(a for a in bucket.axes if not isinstance(layout.sbp[a], Broadcast))
     return tuple(sorted(axes))
-
-
-def _partial_piece(m: Member, axes: tuple[int, ...]) -> torch.Tensor | None:
-    """This rank's piece of ``m``'s gradient laid out partial-sum on ``axes`` (None: no grad)."""
-    grad = m.param.grad
-    if grad is None or not m.is_global:
-        return grad
-    if not isinstance(grad, GlobalTensor):
-        raise TypeError(
-            f"the gradient of the global parameter {m.name!r} is a plain "
-            f"{type(grad).__name__}; expected a global tensor. Was .grad set by hand?"
-        )
-    sbp = tuple(_SUM if a in axes else s for a, s in enumerate(m.layout.sbp))
-    boxed = grad.to_global(m.layout.placement, sbp, check_meta=False)
-    return boxed._local

@@ -20,7 +20,8 @@ from ...comm._world import get_rank, get_world_size
 from ...placement import Placement
 from ...sbp import Broadcast
 from ...tensor import to_global
-from ._reducer import GradientSync, Member
+from ._params import LocalParam
+from ._reducer import GradientSync
 
 __all__ = ["DistributedDataParallel"]
 
@@ -66,11 +67,11 @@ class DistributedDataParallel(torch.nn.Module):
             for tensor in [*module.parameters(), *module.buffers()]:
                 self._copy_from_first_rank(tensor, check_meta=True)
         members = [
-            Member(name, param, self._replicated, is_global=False)
+            LocalParam(name, param, placement)
             for name, param in module.named_parameters()
             if param.requires_grad
         ]
-        self._sync = GradientSync(members, bucket_cap_mb, average=True)
+        self._sync = GradientSync(members[::-1], bucket_cap_mb)  # NOTE [bucket order]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers:
@@ -111,8 +112,9 @@ def _check_placement(module: torch.nn.Module, placement: Placement | None) -> Pl
     if globals_:
         raise TypeError(
             "DistributedDataParallel wraps a module of local tensors, but this one holds global "
-            "tensors. A global model is already data parallel: use "
-            "sbpflow.nn.parallel.sync_gradients(module) for bucketed gradient reduction."
+            "tensors. A global model is already data parallel, its gradients reduced in buckets "
+            "by default; use sbpflow.nn.parallel.sync_gradients(module, bucket_cap_mb=...) to "
+            "choose the bucket size."
         )
     device_type = tensors[0].device.type if tensors else "cpu"
     if placement is None:

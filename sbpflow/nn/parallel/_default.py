@@ -1,0 +1,133 @@
+"""Data parallelism with nothing to call: a global model's gradients join buckets by themselves.
+
+# NOTE [data parallel by default]
+# A global parameter broadcast on a data axis (B over more than one rank)
+# whose gradient arrives partial there is data parallel, and its gradients
+# are reduced in buckets that overlap backward (NOTE [bucketed gradient sync]
+# in ``_reducer``) without any call:
+#   1. Its first backward pass takes the per-parameter path: the leaf's own
+#      gradient hook (``keep_grad_layout`` in ``_global``) boxes the gradient
+#      to the parameter's layout (one synchronous all_reduce), exact as ever,
+#      and marks the parameter; after AccumulateGrad, ``Discovery.see`` notes it,
+#      in the order the gradients became ready.
+#   2. At the end of that backward pass (``queue_callback``) the parameters
+#      noted join one ``GradientSync``, in that order: the order backward
+#      produces them, as torch DDP rebuilds its buckets after its first
+#      iteration. Buckets of torch DDP's default sizes (25 MB, the first 1 MiB).
+#   3. From the next backward pass on their gradients are reduced in those
+#      buckets: launched as each fills, waited for at the end of backward, so
+#      ``.grad`` is reduced before anything can read it (``clip_grad_norm_``,
+#      ``optimizer.step()``).
+# Every rank of a data-parallel group runs the same program and so notes the
+# same parameters in the same order; step 2 checks it (one all_reduce of a
+# hash per group, once) and raises on every rank of the group if not, since
+# their bucket all_reduces would pair up wrongly. Parameters that first get a
+# gradient later (unused so far) join later, in buckets of their own.
+# ``nn.Parameter``s join after their first backward pass; another leaf (a
+# bare ``requires_grad`` global tensor) after its second, so a tensor made
+# anew each step stays on the per-parameter path instead of paying a check
+# and a buffer each step. ``sync_gradients(module, bucket_cap_mb=...)``
+# replaces the default buckets of the module's parameters by its own (fixed
+# from the registration order before any backward, with its cap), and
+# ``no_sync(module)`` holds them for gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..._global import GlobalTensor, bind_gradient_discovery
+from ..._meta_check import stable_hash
+from ...comm import _groups, collectives
+from ...comm._world import get_rank
+from ...sbp import sbp_str
+from ._params import GlobalParam, data_axes
+from ._reducer import GradientSync
+
+__all__ = ["Discovery"]
+
+_SEEN = "_grad_backwards_seen"  # a bare leaf's __dict__: backward passes it was partial in
+
+
+class Discovery:
+    """The parameters noted in the running backward pass, joined into buckets at its end."""
+
+    def __init__(self) -> None:
+        self._noted: list[GlobalTensor] = []
+        self._callback: Callable[[], Any] | None = None  # the end-of-backward one, weakly
+
+    def see(self, leaf: GlobalTensor) -> None:
+        """After AccumulateGrad of a leaf whose gradient arrived partial on a data axis."""
+        attrs = leaf.__dict__
+        if attrs.get("_grad_sync") is not None or not data_axes(leaf._layout):
+            return
+        if not isinstance(leaf, torch.nn.Parameter):
+            seen = attrs[_SEEN] = attrs.get(_SEEN, 0) + 1
+            if seen < 2:
+                return
+        if self._callback is None or self._callback() is None:
+            # none queued in this backward pass (or the one that queued it raised)
+            self._noted = []
+            join = functools.partial(self._join)
+            torch.autograd.Variable._execution_engine.queue_callback(join)
+            self._callback = weakref.ref(join)
+        self._noted.append(leaf)
+
+    def _join(self) -> None:
+        noted, self._noted, self._callback = self._noted, [], None
+        members, seen = [], set()
+        for leaf in noted:
+            if (
+                id(leaf) in seen
+                or leaf.__dict__.get("_grad_sync") is not None
+                or not leaf.requires_grad
+                or not data_axes(leaf._layout)
+            ):
+                continue
+            seen.add(id(leaf))
+            description = _describe(leaf)
+            members.append(GlobalParam(description, leaf, description))
+        if members:
+            _check_same_order(members)
+            GradientSync(members, None, explicit=False)
+
+
+def _describe(leaf: GlobalTensor) -> str:
+    return f"a {tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} parameter ({sbp_str(leaf.sbp)})"
+
+
+def _check_same_order(members: Sequence[GlobalParam]) -> None:
+    """Raise on every rank of a data-parallel group whose ranks noted other parameters, or
+    another order (NOTE [data parallel by default])."""
+    rank = get_rank()
+    groups: dict[Any, list[GlobalParam]] = {}
+    for m in members:
+        groups.setdefault((m.layout.placement, m.data_axes), []).append(m)
+    for (placement, axes), mine in groups.items():
+        if rank not in placement:
+            continue
+        found = _groups.group_of(placement.type, placement.groups_along(axes), rank)
+        assert found is not None  # rank is in the placement
+        ranks, handle = found
+        if handle is None:
+            continue
+        value = stable_hash(repr([(tuple(m.param.shape), m.param.dtype) for m in mine]))
+        pair = torch.tensor([value, -value], dtype=torch.int64, device=mine[0].local.device)
+        largest, minus_smallest = collectives.all_reduce(pair, found, "max", inplace=True).tolist()
+        if largest != -minus_smallest:
+            raise RuntimeError(
+                f"sbpflow: the data-parallel ranks {list(ranks)} computed the gradients of "
+                "different parameters, or in a different order, in this backward pass, so their "
+                "bucketed reductions would not pair up. Every rank must run the same program "
+                "on its own slice of the batch; this rank's were "
+                f"{', '.join(m.label for m in mine[:4])}{', ...' if len(mine) > 4 else ''}."
+            )
+
+
+DISCOVERY = Discovery()
+bind_gradient_discovery(DISCOVERY.see)
