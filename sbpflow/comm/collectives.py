@@ -161,7 +161,8 @@ def all_reduce_async(tensor: torch.Tensor, group: Group, reduce_op: str) -> Pend
 # order, to its row), every row the same length: the caller packs its tensors into its row
 # (or the rows) and unpacks them after ``wait()``. Fully sharded data parallelism gathers a
 # block's parameters and reduces its gradients this way, one collective per block, while
-# the block before (or after) it computes.
+# the block before (or after) it computes. A gather may run in place: ``piece`` is then
+# the member's own row of ``out`` (the member's copy onto itself is a no-op).
 
 
 def group_slots(ranks: Sequence[int]) -> list[int]:

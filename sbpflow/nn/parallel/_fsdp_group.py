@@ -3,11 +3,12 @@
 # NOTE [one gather, one reduction per block]
 # ``ParamGroup`` holds the parameters one ``fully_shard`` call manages (a block) and
 # moves them together (NOTE [flat collectives] in comm/collectives.py):
-#   - unshard: every member copies its shards into one row (the cast to the compute
-#     dtype on the way, so a reduced-precision policy also halves the bytes sent) and one
-#     ``all_gather`` of the rows starts; it may run while another block computes
-#     (prefetch). Waiting for it fills the group's unsharded buffer, one view per
-#     parameter, from the rows, and drops the rows.
+#   - unshard: every member copies its shards into its own row of the gather's buffer
+#     (the cast to the compute dtype on the way, so a reduced-precision policy also
+#     halves the bytes sent) and one ``all_gather`` of the rows starts, in place; it may
+#     run while another block computes (prefetch). Waiting for it allocates the group's
+#     unsharded buffer, fills it from the rows (one view per parameter) and drops the
+#     rows. A block in flight holds its rows; a gathered one its unsharded buffer.
 #   - reshard: the unsharded buffer's storage is resized to 0 bytes. The views (and the
 #     tensors autograd saved for backward, which alias them) keep their shapes and point
 #     at the same storage, which the next unshard refills with the same values; so a
@@ -76,6 +77,7 @@ class ParamGroup:
         self._gathering: collectives.PendingCollective | None = None
         self._accumulated: torch.Tensor | None = None  # rows kept without gradient sync
         self.num_members = placement.shape[DATA_AXIS]
+        self.member = placement.coords_of(rank)[DATA_AXIS] if rank in placement else 0
         offset = 0
         for p in params:
             p.offset = offset
@@ -110,10 +112,12 @@ class ParamGroup:
         self.state = ShardedState.GATHERING
         if self.group is None:
             return  # no parameter, or a rank outside the placement: no data to move
-        row = torch.empty(self.row_numel, dtype=self.compute_dtype, device=self.device)
+        rows = torch.empty(
+            (self.num_members, self.row_numel), dtype=self.compute_dtype, device=self.device
+        )
+        row = rows[self.slots[self.member]]  # gathered in place: no buffer of its own
         for p in self.params:
             p.copy_in(row)
-        rows = row.new_empty((self.num_members, self.row_numel))
         self._gathering = collectives.all_gather_async(rows, row, self.group)
         _trace.record(None, ["all_gather"])
 
@@ -126,7 +130,9 @@ class ParamGroup:
         if pending is not None:
             rows = pending.wait()
             self._storage.resize_(self._nbytes)
-            with torch.no_grad():
+            # The same values again: the tensors autograd saved (a compiled graph saves the
+            # local pieces themselves) must not see a new version.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._unsharded):
                 for p in self.params:
                     p.copy_out(rows, self.slots)
         self.state = ShardedState.UNSHARDED
@@ -143,8 +149,11 @@ class ParamGroup:
 
     @property
     def unsharded_bytes(self) -> int:
-        """Bytes of gathered parameters this rank holds now (0 when sharded)."""
-        return self._storage.nbytes()
+        """Bytes of gathered parameters this rank holds now, in flight or unsharded (0 when
+        sharded)."""
+        pending = self._gathering
+        in_flight = 0 if pending is None else pending.tensor.nbytes
+        return self._storage.nbytes() + in_flight
 
     # -- reduce ------------------------------------------------------------------------
     def reduce_gradients(
@@ -178,7 +187,9 @@ class ParamGroup:
         out = rows.new_empty(rows.shape[1])
         pending = collectives.reduce_scatter_async(out, rows, self.group, "sum")
         _trace.record(None, ["reduce_scatter"])
-        return PendingReduction(self, pending, rows)
+        # The collective's handle keeps what it still reads (gloo has copied ``rows``
+        # already): dropping them here frees them as soon as the backend allows.
+        return PendingReduction(self, pending)
 
     def _partial_local(self, p: ShardedParam, grad: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``grad`` laid out as the unsharded parameter, partial on the
@@ -209,7 +220,6 @@ class PendingReduction:
 
     group: ParamGroup
     pending: collectives.PendingCollective
-    rows: torch.Tensor  # the sent buffer, alive until the collective completes
 
     def finish(self) -> None:
         out = self.pending.wait()
