@@ -57,8 +57,21 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             param.grad = None
 
 
-def _target_state(obj: Any) -> Any:
-    if isinstance(obj, torch.optim.Optimizer):
+def _saved_keys(path: str) -> set[str]:
+    """The checkpoint's keys, or none where it cannot be read (``_problem`` then says why)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception:
+        return set()
+
+
+def _target_state(key: str, obj: Any, saved: set[str]) -> Any:
+    """``obj``'s state dict to fill. A fresh optimizer's state is created only where the
+    checkpoint holds some: one saved before its first step holds none, and creating it
+    would leave the loaded optimizer one (zero) step ahead of the saved one."""
+    if isinstance(obj, torch.optim.Optimizer) and any(k.startswith(f"{key}.state.") for k in saved):
         _init_optimizer_state(obj)
     return obj.state_dict()
 
@@ -141,7 +154,10 @@ def load(path: str | os.PathLike[str], state_dict: dict[str, Any]) -> None:
         )
     wait_for_pending_save()
     stateful = {k: v for k, v in state_dict.items() if is_stateful(v)}
-    resolved = {k: _target_state(v) if k in stateful else v for k, v in state_dict.items()}
+    saved = _saved_keys(path) if stateful else set()
+    resolved = {
+        k: _target_state(k, v, saved) if k in stateful else v for k, v in state_dict.items()
+    }
     flat = flatten(resolved)
     _agree(_problem(path, flat))
 

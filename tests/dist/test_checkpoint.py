@@ -250,15 +250,17 @@ def resume_training(path: str, steps: int) -> dict[str, Any]:
     return {"loss": loss, "reference": ref_loss, "resumed": resumed, "scale": scaler.get_scale()}
 
 
-def test_training_resumes_from_a_checkpoint_with_the_same_loss(tmp_path: Path) -> None:
-    """Model + AdamW + GradScaler saved after 3 steps; the 4th step's loss after loading equals
-    the uninterrupted run's (exactly in the same layout) and a plain single-process model's."""
-    results = get_pool(2).run(resume_training, str(tmp_path / "ckpt"), 3)
+@pytest.mark.parametrize("steps", [3, 0])
+def test_training_resumes_from_a_checkpoint_with_the_same_loss(tmp_path: Path, steps: int) -> None:
+    """Model + AdamW + GradScaler saved after 3 steps (or before the first: an optimizer with no
+    state yet); the next step's loss after loading equals the uninterrupted run's (exactly in
+    the same layout) and a plain single-process model's."""
+    results = get_pool(2).run(resume_training, str(tmp_path / "ckpt"), steps)
     for r in results:
         assert abs(r["loss"] - r["reference"]) < 1e-5
         assert r["resumed"]["same layout"] == r["loss"]
         assert abs(r["resumed"]["data parallel"] - r["loss"]) < 1e-6
-        assert r["scale"] == 2.0**14  # grown once per step: the scaler's state was restored
+        assert r["scale"] == 2.0 ** (11 + steps)  # grown once per step: the scaler was restored
     assert results[0] == results[1]
 
 
