@@ -214,7 +214,7 @@ def _table(
     times: dict[str, list[float]], cpu_times: dict[str, list[float]], peaks: dict[str, float]
 ) -> tuple[list[str], dict[str, tuple[float, float]]]:
     """Markdown rows of one run, and each variant's (median time, peak) ratios to torch's."""
-    base_min, base_med = min(times[BASELINE]), statistics.median(times[BASELINE])
+    base_med = statistics.median(times[BASELINE])
     base_cpu, base_peak = statistics.median(cpu_times[BASELINE]), peaks[BASELINE]
     rows = [
         "| variant | min ms | median ms | / torch (median) | CPU ms (median) | CPU / torch "

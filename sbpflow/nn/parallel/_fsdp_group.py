@@ -96,9 +96,7 @@ class ParamGroup:
         at = 0
         for p in params:
             if self.group is not None:
-                p.unsharded = self._unsharded[at : at + p.unsharded.numel()].view(
-                    p.unsharded.shape
-                )
+                p.unsharded = self._unsharded[at : at + p.unsharded.numel()].view(p.unsharded.shape)
                 at += p.unsharded.numel()
         self._storage = self._unsharded.untyped_storage()
         self._nbytes = self._storage.nbytes()
@@ -156,9 +154,7 @@ class ParamGroup:
         return self._storage.nbytes() + in_flight
 
     # -- reduce ------------------------------------------------------------------------
-    def reduce_gradients(
-        self, grads: Sequence[torch.Tensor | None]
-    ) -> PendingReduction | None:
+    def reduce_gradients(self, grads: Sequence[torch.Tensor | None]) -> PendingReduction | None:
         """Start reducing the block's partial gradients (one per parameter, None where it
         got none) to this rank's shards; None when nothing is sent (kept for a later
         reduction without gradient sync, or a rank outside the placement)."""

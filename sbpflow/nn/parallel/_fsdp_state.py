@@ -191,7 +191,7 @@ class FSDPState:
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         for p in self.group.params:
             for owner, attr in p.owners:
-                owner._parameters[attr] = p.param
+                owner._parameters[attr] = p.param  # type: ignore[assignment]  # an nn.Parameter
         ctx = self.ctx
         is_root = ctx.root is self
         if not is_root and self.reshard_after_forward:
@@ -199,7 +199,9 @@ class FSDPState:
         call = _ForwardCall(len(ctx.post_forward), ctx.generation)
         ctx.post_forward.append(self.group)
         outputs = [
-            t for t in _pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            t
+            for t in _pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         hook = functools.partial(self._pre_backward, call)
         for t in outputs:

@@ -75,7 +75,9 @@ class FSDPModule:
         """Where this module's parameters are: SHARDED, GATHERING or UNSHARDED."""
         return _state_of(self).group.state
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Whether backward passes reduce gradients (default True). False: each module keeps
         its partial gradients, summed over backward passes, and the first backward with
         sync reduces them all (gradient accumulation with one reduction per module).
@@ -156,7 +158,8 @@ def fully_shard(
         )
     if STATE_ATTR in module.__dict__:
         raise ValueError(
-            f"fully_shard was already called on this {type(module).__name__}; call it once "
+            f"fully_shard was already called on this {_original_class(module).__name__}; call "
+            "it once "
             "per module (each block, then the root)."
         )
     entries = _unmanaged_params(module)
@@ -298,7 +301,9 @@ def _agree(entries: list[_Entry], placement: Placement) -> None:
         )
 
 
-def _resolve_precision(policy: MixedPrecisionPolicy | None, entries: list[_Entry]) -> MixedPrecision:
+def _resolve_precision(
+    policy: MixedPrecisionPolicy | None, entries: list[_Entry]
+) -> MixedPrecision:
     policy = policy or MixedPrecisionPolicy()
     for what in ("param_dtype", "reduce_dtype", "output_dtype"):
         value = getattr(policy, what)
@@ -322,17 +327,23 @@ def _shard(entry: _Entry, placement: Placement) -> tuple[GlobalTensor, int] | No
     layout = t._layout
     dim = shard_dim(layout, t.ndim)
     if dim is None or placement.shape[DATA_AXIS] == 1:
-        new = t if entry.tensor is t else _parameter(t.detach(), requires_grad)
+        new = t if entry.tensor is t else _parameter(_detached(t), requires_grad)
         _replace(entry, new)
         return None
     target = sharded_layout(layout, dim)
     with torch.no_grad():
-        boxed = t.detach().to_global(placement, target.sbp, check_meta=False)
+        boxed = to_global(t.detach(), placement, target.sbp, check_meta=False)
     # the slice of a broadcast piece is a view of it: a copy of its own frees the rest
     local = boxed._local.clone(memory_format=torch.contiguous_format)
     param = _parameter(wrap(local, meta_of(target, tuple(t.shape), t.dtype)), requires_grad)
     _replace(entry, param)
     return param, dim
+
+
+def _detached(t: GlobalTensor) -> GlobalTensor:
+    out = t.detach()
+    assert isinstance(out, GlobalTensor)
+    return out
 
 
 def _parameter(value: GlobalTensor, requires_grad: bool) -> GlobalTensor:
@@ -351,6 +362,12 @@ def _replace(entry: _Entry, param: torch.Tensor) -> None:
 _classes: dict[type, type] = {}
 
 
+def _original_class(module: torch.nn.Module) -> type:
+    """The module's class before ``fully_shard`` mixed ``FSDPModule`` in."""
+    cls = type(module)
+    return cls.__mro__[2] if issubclass(cls, FSDPModule) else cls
+
+
 def _fsdp_class(cls: type) -> type:
     """``cls`` with ``FSDPModule`` mixed in (one class per original class)."""
     if issubclass(cls, FSDPModule):
@@ -359,4 +376,3 @@ def _fsdp_class(cls: type) -> type:
     if made is None:
         made = _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return made
-
