@@ -14,7 +14,8 @@ within rounding). Models:
   root, on 2 and 4 ranks;
 - FSDP x TP on a 2x2 mesh: axis 0 shards, axis 1 holds column- then row-parallel Linears;
 - a 2-stage eager pipeline (stage 0 on ranks 0-1, stage 1 on ranks 2-3), each stage fully
-  sharded on its own ranks.
+  sharded on its own ranks;
+- the MLP stack with each block under ``torch.compile`` (aot_eager), on 2 ranks.
 
 The collectives each step ran are counted from the boxing trace (one all_gather per module
 in forward, one per block again in backward, one reduce_scatter per module). Memory is
@@ -155,11 +156,9 @@ def _train_mlp(
     }
 
 
-def mlp_job() -> dict[str, dict[str, Any]]:
+def mlp_job(optimizer: str, num_micro: int) -> dict[str, Any]:
     world = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
-    return {
-        f"{opt} micro={n}": _train_mlp(world, opt, n, S0) for opt, n in (("sgd", 1), ("adamw", 4))
-    }
+    return _train_mlp(world, optimizer, num_micro, S0)
 
 
 # -- Hugging Face Llama --------------------------------------------------------------------
@@ -171,7 +170,7 @@ def _llama() -> nn.Module:
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=3,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
@@ -215,33 +214,34 @@ def llama_job() -> dict[str, Any]:
 # -- FSDP x TP on a 2x2 mesh ---------------------------------------------------------------
 
 
-def mesh_job() -> dict[str, dict[str, Any]]:
+def _megatron(name: str, t: torch.Tensor) -> Any:
+    """fc1 column-parallel, fc2's weight row-parallel on axis 1; the rest broadcast."""
+    if ".fc1." in name:
+        return (B, S0)
+    return (B, S1) if name.endswith("fc2.weight") else (B, B)
+
+
+def mesh_job(optimizer: str) -> dict[str, Any]:
     """Axis 0 shards (data), axis 1 splits fc1 by columns and fc2 by rows (tensor)."""
     mesh = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-    out = {}
-    for optimizer in _OPTIMIZERS:
-        torch.manual_seed(0)
-        reference = Net()
-        model = copy.deepcopy(reference).to_global(mesh, (B, B))
-        for block in model.blocks:
-            block.fc1.to_global(mesh, (B, S0))
-            block.fc2.weight = nn.Parameter(block.fc2.weight.to_global(mesh, (B, S1)).detach())
-        _shard_blocks(model, mesh)
-        opt_ref = _OPTIMIZERS[optimizer](reference.parameters())
-        opt = _OPTIMIZERS[optimizer](model.parameters())
-        for step in range(_STEPS):
-            ((x, y),) = _micro_batches(step, 1)
-            opt_ref.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            opt_ref.step()
-            opt.zero_grad()
-            F.mse_loss(model(_batch(x, mesh, (S0, B))), _batch(y, mesh, (S0, B))).backward()
-            opt.step()
-        out[optimizer] = {
-            "errors": _errors(model, reference),
-            "sbps": {n: (str(p.sbp), str(p.grad.sbp)) for n, p in model.named_parameters()},
-        }
-    return out
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference).to_global(mesh, (B, B)).to_global(mesh, _megatron)
+    _shard_blocks(model, mesh)
+    opt_ref = _OPTIMIZERS[optimizer](reference.parameters())
+    opt = _OPTIMIZERS[optimizer](model.parameters())
+    for step in range(_STEPS):
+        ((x, y),) = _micro_batches(step, 1)
+        opt_ref.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        F.mse_loss(model(_batch(x, mesh, (S0, B))), _batch(y, mesh, (S0, B))).backward()
+        opt.step()
+    return {
+        "errors": _errors(model, reference),
+        "sbps": {n: (str(p.sbp), str(p.grad.sbp)) for n, p in model.named_parameters()},
+    }
 
 
 # -- a 2-stage pipeline, each stage fully sharded on its own ranks -------------------------
@@ -290,6 +290,33 @@ def pipeline_job() -> dict[str, Any]:
             elif got.to_local().numel() != 0:
                 errors[f"{i}.{name} held outside its stage"] = float(got.to_local().numel())
     return {"errors": errors, "counts": counts}
+
+
+# -- compiled blocks -------------------------------------------------------------------------
+
+
+def compiled_job() -> dict[str, Any]:
+    """Each block compiled (aot_eager), fully sharded; SGD-momentum, 2 steps."""
+    torch._dynamo.reset()
+    world = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    torch.manual_seed(0)
+    reference = Net(num_blocks=2)
+    model = _shard_blocks(copy.deepcopy(reference), world)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    opt_ref = _OPTIMIZERS["sgd"](reference.parameters())
+    opt = _OPTIMIZERS["sgd"](model.parameters())
+    for step in range(2):
+        ((x, y),) = _micro_batches(step, 1)
+        opt_ref.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        F.mse_loss(model(_batch(x, world, S0)), _batch(y, world, S0)).backward()
+        opt.step()
+    errors = _errors(model, reference)
+    torch._dynamo.reset()
+    return {"errors": errors}
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -427,20 +454,18 @@ def load_in_plain_process(path: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_mlp_stack_matches_single_process(world_size: int) -> None:
+@pytest.mark.parametrize(("optimizer", "num_micro"), [("sgd", 1), ("adamw", 4)])
+def test_mlp_stack_matches_single_process(world_size: int, optimizer: str, num_micro: int) -> None:
     """Each block then the root, SGD-momentum with one batch per step, AdamW with 4
     micro-batches per step (no_sync on the first 3): equal single-process training on the whole batch; parameters and
     gradients S(0); per backward 4 all_gathers in forward (3 blocks, root), 3 more in backward
     (the blocks freed after forward; the root stays gathered), and 4 reduce_scatters on the
     last micro-batch only."""
-    for rank, results in enumerate(get_pool(world_size).run(mlp_job)):
-        for label, got in results.items():
-            where = f"rank {rank}, {label}"
-            assert not got["errors"], f"{where}: parameters differ from the reference: {got}"
-            assert got["param_sbps"] == got["grad_sbps"] == ["(S(0),)"], (where, got)
-            num_micro = 4 if label.endswith("micro=4") else 1
-            per_step = [(7, 0)] * (num_micro - 1) + [(7, 4)]
-            assert got["counts"] == per_step * _STEPS, (where, got["counts"])
+    for rank, got in enumerate(get_pool(world_size).run(mlp_job, optimizer, num_micro)):
+        assert not got["errors"], f"rank {rank}: parameters differ from the reference: {got}"
+        assert got["param_sbps"] == got["grad_sbps"] == ["(S(0),)"], (rank, got)
+        per_step = [(7, 0)] * (num_micro - 1) + [(7, 4)]
+        assert got["counts"] == per_step * _STEPS, (rank, got["counts"])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -454,18 +479,18 @@ def test_hugging_face_llama_matches_single_process(world_size: int) -> None:
         assert not got["fallbacks"], (rank, got["fallbacks"])
 
 
-def test_fully_sharded_and_tensor_parallel_on_2x2_mesh() -> None:
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+def test_fully_sharded_and_tensor_parallel_on_2x2_mesh(optimizer: str) -> None:
     """Axis 0 shards, axis 1 is tensor parallel: equal single-process training; weights shard
     the dim the tensor axis leaves whole; the column-parallel bias, split on its only dim by
     the tensor axis, stays broadcast on the data axis (trained data parallel)."""
-    for rank, results in enumerate(get_pool(4).run(mesh_job)):
-        for label, got in results.items():
-            assert not got["errors"], f"rank {rank}, {label}: {got['errors']}"
-            sbps = got["sbps"]
-            assert sbps["blocks.0.fc1.weight"] == ("(S(1), S(0))",) * 2, sbps
-            assert sbps["blocks.0.fc1.bias"] == ("(B, S(0))",) * 2, sbps
-            assert sbps["blocks.0.fc2.weight"] == ("(S(0), S(1))",) * 2, sbps
-            assert sbps["blocks.0.fc2.bias"] == ("(S(0), B)",) * 2, sbps
+    for rank, got in enumerate(get_pool(4).run(mesh_job, optimizer)):
+        assert not got["errors"], f"rank {rank}: {got['errors']}"
+        sbps = got["sbps"]
+        assert sbps["blocks.0.fc1.weight"] == ("(S(1), S(0))",) * 2, sbps
+        assert sbps["blocks.0.fc1.bias"] == ("(B, S(0))",) * 2, sbps
+        assert sbps["blocks.0.fc2.weight"] == ("(S(0), S(1))",) * 2, sbps
+        assert sbps["blocks.0.fc2.bias"] == ("(S(0), B)",) * 2, sbps
 
 
 def test_two_stage_pipeline_with_fully_sharded_stages() -> None:
@@ -478,6 +503,13 @@ def test_two_stage_pipeline_with_fully_sharded_stages() -> None:
         # its stage (the root of its fully sharded modules): one gather per micro-batch's
         # forward, kept for the backward, and one reduce_scatter per micro-batch
         assert got["counts"] == [(2, 2)] * _STEPS, (rank, got["counts"])
+
+
+def test_compiled_blocks_match_single_process() -> None:
+    """Blocks under torch.compile (aot_eager), gathered and freed between graphs: equal
+    single-process training."""
+    for rank, got in enumerate(get_pool(2).run(compiled_job)):
+        assert not got["errors"], f"rank {rank}: {got['errors']}"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
