@@ -31,8 +31,6 @@ import contextlib
 import copy
 import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,10 +46,12 @@ from sbpflow.nn.parallel.fsdp import _state_of
 from sbpflow.sbp import Broadcast, Split
 from sbpflow.testing import get_pool
 
+from ._plain_process import run_in_plain_process
+
 S0, S1, B = Split(0), Split(1), Broadcast()
 _STEPS = 3
 _TOL = 1e-5
-_ROOT = Path(__file__).resolve().parents[2]
+_MAX_NORM = 0.5  # clip_grad_norm_ every step (the gradients' norms are about 1)
 
 
 class Block(nn.Module):
@@ -131,12 +131,13 @@ def _train_mlp(
     model = _shard_blocks(copy.deepcopy(reference), placement)
     opt_ref = _OPTIMIZERS[optimizer](reference.parameters())
     opt = _OPTIMIZERS[optimizer](model.parameters())
-    counts, grad_sbps = [], set()
+    counts, grad_sbps, norms = [], set(), []
     for step in range(_STEPS):
         batches = _micro_batches(step, num_micro)
         opt_ref.zero_grad()
         for x, y in batches:
             F.mse_loss(reference(x), y).backward()
+        norms.append(nn.utils.clip_grad_norm_(reference.parameters(), _MAX_NORM).item())
         opt_ref.step()
         opt.zero_grad()
         for i, (x, y) in enumerate(batches):
@@ -147,10 +148,12 @@ def _train_mlp(
             c = t.collectives()
             counts.append((c.get("all_gather", 0), c.get("reduce_scatter", 0)))
         grad_sbps |= {str(p.grad.sbp) for p in model.parameters()}
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), _MAX_NORM).item())
         opt.step()
     return {
         "errors": _errors(model, reference),
         "counts": counts,
+        "norms": norms,  # reference, sharded, per step
         "grad_sbps": sorted(grad_sbps),
         "param_sbps": sorted({str(p.sbp) for p in model.parameters()}),
     }
@@ -457,13 +460,16 @@ def load_in_plain_process(path: str, out: str) -> None:
 @pytest.mark.parametrize(("optimizer", "num_micro"), [("sgd", 1), ("adamw", 4)])
 def test_mlp_stack_matches_single_process(world_size: int, optimizer: str, num_micro: int) -> None:
     """Each block then the root, SGD-momentum with one batch per step, AdamW with 4
-    micro-batches per step (no_sync on the first 3): equal single-process training on the whole batch; parameters and
+    micro-batches per step (no_sync on the first 3), gradients clipped to norm 0.5: equal
+    single-process training on the whole batch (the global norm equal too); parameters and
     gradients S(0); per backward 4 all_gathers in forward (3 blocks, root), 3 more in backward
     (the blocks freed after forward; the root stays gathered), and 4 reduce_scatters on the
     last micro-batch only."""
     for rank, got in enumerate(get_pool(world_size).run(mlp_job, optimizer, num_micro)):
         assert not got["errors"], f"rank {rank}: parameters differ from the reference: {got}"
         assert got["param_sbps"] == got["grad_sbps"] == ["(S(0),)"], (rank, got)
+        ref_norms, norms = got["norms"][::2], got["norms"][1::2]
+        assert norms == pytest.approx(ref_norms, rel=_TOL), (rank, got["norms"])
         per_step = [(7, 0)] * (num_micro - 1) + [(7, 4)]
         assert got["counts"] == per_step * _STEPS, (rank, got["counts"])
 
@@ -555,20 +561,7 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2_ranks_and_in_a_plain_process(
             for key, want in saved.items():
                 assert torch.equal(got[layout][key], want), (layout, key)
     out = str(tmp_path / "plain.pkl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
-    code = (
-        "import sys; from tests.dist.test_fsdp import load_in_plain_process as f; f(*sys.argv[1:])"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, path, out],
-        cwd=_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
+    run_in_plain_process("tests.dist.test_fsdp", "load_in_plain_process", path, out)
     with open(out, "rb") as f:
         plain = pickle.load(f)
     assert plain.keys() == saved.keys()
