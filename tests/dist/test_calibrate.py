@@ -54,11 +54,17 @@ def _cache_dir(path: str) -> Iterator[None]:
         cost.reset()
 
 
+def _world_on_cpu() -> sbpflow.placement:
+    """Every rank on gloo: the default placement is CUDA where it is available, and NCCL
+    refuses two ranks on one GPU."""
+    return sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+
+
 def _calibrate_job(cache_dir: str) -> dict[str, Any]:
     with _cache_dir(cache_dir):
         cost.reset()
         default_plan = _plan_summary()
-        result = sbpflow.boxing.calibrate(sizes=_SIZES, repeats=2, per_axis=True)
+        result = sbpflow.boxing.calibrate(_world_on_cpu(), sizes=_SIZES, repeats=2, per_axis=True)
         installed = cost.model_for("cpu")
         calibrated_plan = _plan_summary()
         cost.reset()  # forget the installed model, as a new job starts
@@ -88,7 +94,7 @@ def _calibrate_job(cache_dir: str) -> dict[str, Any]:
 
 def _calibrate_without_saving_job(cache_dir: str) -> tuple[bool, list[str]]:
     with _cache_dir(cache_dir):
-        result = sbpflow.boxing.calibrate(sizes=(4096,), repeats=1, save=False)
+        result = sbpflow.boxing.calibrate(_world_on_cpu(), sizes=(4096,), repeats=1, save=False)
         return result.path is None, sorted(os.listdir(cache_dir)) if os.path.isdir(
             cache_dir
         ) else []
