@@ -32,6 +32,7 @@ __all__ = [
     "Message",
     "PendingCollective",
     "all_gather",
+    "all_gather_async",
     "all_gather_meta",
     "all_gather_object",
     "all_reduce",
@@ -41,7 +42,9 @@ __all__ = [
     "deferred_sends",
     "exchange",
     "gather_objects",
+    "group_slots",
     "reduce_scatter",
+    "reduce_scatter_async",
     "same_on_every_rank",
 ]
 
@@ -150,6 +153,62 @@ def all_reduce_async(tensor: torch.Tensor, group: Group, reduce_op: str) -> Pend
     with named("all_reduce", ranks):
         work = dist.all_reduce(tensor, op=REDUCE_OPS[reduce_op], group=handle, async_op=True)
     return PendingCollective("all_reduce", ranks, tensor, work)
+
+
+# NOTE [flat collectives]
+# ``all_gather_async`` and ``reduce_scatter_async`` move one flat buffer per call, laid out
+# as one row per member in process-group order (``group_slots`` maps a member, in mesh
+# order, to its row), every row the same length: the caller packs its tensors into its row
+# (or the rows) and unpacks them after ``wait()``. Fully sharded data parallelism gathers a
+# block's parameters and reduces its gradients this way, one collective per block, while
+# the block before (or after) it computes. A gather may run in place: ``piece`` is then
+# the member's own row of ``out`` (the member's copy onto itself is a no-op).
+
+
+def group_slots(ranks: Sequence[int]) -> list[int]:
+    """The row of each member (``ranks``, mesh order) in a flat collective's buffer."""
+    return _group_slots(ranks) or list(range(len(ranks)))
+
+
+def all_gather_async(out: torch.Tensor, piece: torch.Tensor, group: Group) -> PendingCollective:
+    """Start gathering every member's ``piece`` into the rows of ``out`` (members x
+    ``piece.numel()``, process-group order; both contiguous); ``wait()`` returns ``out``."""
+    ranks, handle = group
+    _functional.refuse_traced("a fully sharded module's all_gather", piece)
+    _check_rows(out, piece, len(ranks), "all_gather_async")
+    if handle is None:
+        out.view(-1).copy_(piece.view(-1))
+        return PendingCollective("all_gather", ranks, out, None)
+    with named("all_gather", ranks):
+        work = all_gather_single(out.view(-1), piece.view(-1), group=handle, async_op=True)
+    return PendingCollective("all_gather", ranks, out, work)
+
+
+def reduce_scatter_async(
+    out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
+) -> PendingCollective:
+    """Start reducing the members' ``block`` (members x ``out.numel()``, process-group order;
+    both contiguous): this member's ``out`` gets the reduction of its row of every
+    member's block; ``wait()`` returns ``out``."""
+    ranks, handle = group
+    _functional.refuse_traced("a fully sharded module's reduce_scatter", block)
+    _check_rows(block, out, len(ranks), "reduce_scatter_async")
+    if handle is None:
+        out.view(-1).copy_(block.view(-1))
+        return PendingCollective("reduce_scatter", ranks, out, None)
+    with named("reduce_scatter", ranks):
+        work = reduce_scatter_single(
+            out.view(-1), block.view(-1), op=REDUCE_OPS[reduce_op], group=handle, async_op=True
+        )
+    return PendingCollective("reduce_scatter", ranks, out, work)
+
+
+def _check_rows(rows: torch.Tensor, row: torch.Tensor, num: int, what: str) -> None:
+    if not (rows.is_contiguous() and row.is_contiguous()) or rows.numel() != num * row.numel():
+        raise ValueError(
+            f"{what} moves contiguous buffers of one row per member: got {rows.numel()} and "
+            f"{row.numel()} elements for {num} members."
+        )
 
 
 def reduce_scatter(

@@ -13,8 +13,6 @@ import glob
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,8 +25,8 @@ import sbpflow
 from sbpflow.testing import RemoteError, get_pool
 
 from ._ops_support import S0, S1, B, P, logical, make, placement, world
+from ._plain_process import run_in_plain_process
 
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _logical_values() -> dict[str, torch.Tensor]:
@@ -184,18 +182,7 @@ def test_saved_on_4_ranks_loads_on_2_ranks_and_in_a_plain_process(tmp_path: Path
         assert set(result["collectives"]) <= {"zero"}, result["collectives"]
 
     out = str(tmp_path / "plain.pkl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
-    code = "import sys; from tests.dist.test_checkpoint import load_in_plain_process as f; f(*sys.argv[1:])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, path, out],
-        cwd=_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
+    run_in_plain_process("tests.dist.test_checkpoint", "load_in_plain_process", path, out)
     with open(out, "rb") as f:
         got = pickle.load(f)
     _assert_same(got, _expected())

@@ -7,11 +7,23 @@
 - ``DistributedDataParallel(module)`` for a model that keeps local tensors.
 
 All run on one engine, ``GradientSync`` (NOTE [bucketed gradient sync] in ``_reducer``).
+``fully_shard(module)`` shards parameters, gradients and optimizer state on the data axis
+instead (fully sharded data parallelism, ``fsdp``).
 """
 
 from . import _default  # noqa: F401  (binds the default buckets to global leaves' hooks)
 from ._reducer import GradientSync
 from .distributed import DistributedDataParallel
+from .fsdp import FSDPModule, MixedPrecisionPolicy, ShardedState, fully_shard
 from .sync import no_sync, sync_gradients
 
-__all__ = ["DistributedDataParallel", "GradientSync", "no_sync", "sync_gradients"]
+__all__ = [
+    "DistributedDataParallel",
+    "FSDPModule",
+    "GradientSync",
+    "MixedPrecisionPolicy",
+    "ShardedState",
+    "fully_shard",
+    "no_sync",
+    "sync_gradients",
+]
