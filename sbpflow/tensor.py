@@ -239,7 +239,7 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
                 else torch.empty_like(local, memory_format=torch.contiguous_format)
             )
             local = collectives.broadcast(buffer, ranks[0], found)
-            _trace.record(None, ["broadcast"])
+            _trace.record(None, ["broadcast"], [tuple(b_axes)])
     if rank not in pl:  # empty, on this rank's device of the placement's type
         return local.new_empty(empty_local_shape(local.dim()), device=device_for(pl.type))
     return local

@@ -29,6 +29,7 @@ def execute(
     """
     owned = False  # whether `local` is a buffer this plan made (safe to reuse)
     ran: list[str] = []
+    ran_axes: list[tuple[int, ...]] = []
     for step in plan.steps:
         before = local
         local, took_part = _run_step(step, plan.shape, local, rank, owned, lane)
@@ -36,8 +37,9 @@ def execute(
         owned = owned or (local is not before and step.op != "slice")
         if took_part:
             ran.append(step.op)
+            ran_axes.append(step.axes)
     if not _functional.traced(local):  # a compiled graph records nothing (docs/compile.md)
-        _trace.record(plan, ran)
+        _trace.record(plan, ran, ran_axes)
     if not plan.steps or not owned:
         # No step produced a fresh buffer (identity plan, or only views): the
         # result must not alias the caller's tensor.

@@ -138,6 +138,7 @@ def _train_global(
     )
     reduce_counts, accumulating_sbps, grad_sbps, unused_grads = [], set(), {}, []
     launches: list[str] = []
+    tensor_axis_reduces: list[int] = []
     row_bias_sbps: set[str] = set()
     for step in range(_STEPS):
         batches = _micro_batches(step, num_micro)
@@ -153,7 +154,10 @@ def _train_global(
                 _recording_launches(launches),
             ):
                 F.mse_loss(model(gx), gy).backward()
-            reduce_counts.append(t.collectives()["all_reduce"])
+            # On the data axis (0): the gradients' reductions, not the all_reduce of
+            # Megatron's row-parallel output (axis 1 of a 2x2 mesh, in forward)
+            reduce_counts.append(t.collectives_by_axes()[("all_reduce", (0,))])
+            tensor_axis_reduces.append(t.collectives_by_axes()[("all_reduce", (1,))])
             if not last:
                 accumulating_sbps.add(sbp_str(model.fc1.bias.grad.sbp))
                 row_bias_sbps.add(sbp_str(model.fc2.bias.grad.sbp))
@@ -177,6 +181,7 @@ def _train_global(
         "buckets": buckets,
         "launch_groups": sorted({e.split(" over ")[1] for e in launches}),
         "row_bias_sbps": sorted(row_bias_sbps),
+        "tensor_axis_reduces": tensor_axis_reduces,
     }
 
 
@@ -270,8 +275,15 @@ def test_global_data_and_tensor_parallel_on_2x2_mesh(synced: bool) -> None:
             assert got["launch_groups"] == [data_group], (label, got)
             if label.endswith("micro=4"):
                 assert got["row_bias_sbps"] == ["(P, B)"], (label, got)
-            if not synced:  # one default bucket, reduced over the data axis
-                _default_reduce_counts(got, 4 if label.endswith("micro=4") else 1, 1)
+            # One all_reduce on the tensor axis per forward (of each micro-batch): Megatron's.
+            assert got["tensor_axis_reduces"] == [1] * len(got["reduce_counts"]), (label, got)
+            if not synced:
+                # Two default buckets, both reduced over the data axis: parameters of one
+                # kind (placement, data axes, dtype) share a bucket (NOTE [bucket order]), and
+                # fc2.bias (B, B) has data axes (0, 1), the others (B, S(k)) only (0,). The
+                # kind comes from the parameter's layout, not from one backward's gradients:
+                # had its gradient arrived (P, P), its bucket would reduce over both axes.
+                _default_reduce_counts(got, 4 if label.endswith("micro=4") else 1, 2)
 
 
 # -- DistributedDataParallel ------------------------------------------------------------

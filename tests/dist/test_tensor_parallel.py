@@ -11,7 +11,8 @@ sbpflow/_propagation.py) must find Megatron's communication:
 - Hugging Face Llama (tiny random config, ``transformers``): two all_reduces per
   decoder layer forward and two backward, on 2 ranks and on a 2x2 data x tensor
   parallel mesh (there, every other collective is on the data axis: the mean
-  loss's sum and one gradient all_reduce per parameter).
+  loss's sum and the gradients' all_reduces, one per parameter in the first
+  backward, then one per default gradient bucket).
 
 Forward, backward and the optimizer step are traced separately, every step. Each
 run also trains a plain copy on the whole batch in the same process, the
@@ -20,7 +21,6 @@ single-process reference: losses and parameters must agree within 1e-5.
 
 from __future__ import annotations
 
-import collections
 import copy
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import sbpflow
+from sbpflow.nn.parallel._params import data_axes
 from sbpflow.sbp import Broadcast, Split
 from sbpflow.testing import get_pool
 
@@ -64,14 +65,7 @@ def _megatron_llama(name: str, t: torch.Tensor) -> Any:
 
 def _counts(trace: Any, axes: bool = False) -> dict[Any, int]:
     """Collectives that ran, by kind (and by the mesh axes they ran on, with ``axes``)."""
-    if not axes:
-        return dict(trace.collectives())
-    found: collections.Counter[Any] = collections.Counter()
-    for plan in trace.plans:
-        for step in plan.steps:
-            if step.is_collective:
-                found[(step.op, step.axes)] += 1
-    return dict(found)
+    return dict(trace.collectives_by_axes() if axes else trace.collectives())
 
 
 def _errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
@@ -184,7 +178,13 @@ def llama_job(mesh: list[Any], layers: int) -> dict[str, Any]:
         _llama_loss,
         axes=data_parallel,
     )
-    result["num_parameters"] = len(list(model.parameters()))
+    params = list(model.parameters())
+    result["num_parameters"] = len(params)
+    # The default gradient buckets (NOTE [data parallel by default]): one kind per set of
+    # data axes (the parameter's broadcast axes), and how many buckets they made.
+    result["data_axes_kinds"] = len({data_axes(p._layout) for p in params})
+    syncs = {id(s): s for p in params if (s := p.__dict__.get("_grad_sync")) is not None}
+    result["num_buckets"] = sum(len(s.buckets) for s in syncs.values())
     return result
 
 
@@ -214,7 +214,8 @@ def test_sequence_parallel_mlp_blocks_gather_and_reduce_scatter() -> None:
     block forward one all_gather (into the column-parallel matmul) and one reduce_scatter
     (of the row-parallel output); backward the reverse pair, the all_gather of the layer norm
     output again for the up weight's gradient, and the all_reduces of the layer norm weight
-    and bias, whose gradients are sums over the ranks' tokens; training equals one process."""
+    and bias, whose gradients are sums over the ranks' tokens (one each in the first
+    backward, then one bucket for all); training equals one process."""
     for rank, got in enumerate(get_pool(2).run(megatron_mlp_job, True)):
         where = f"rank {rank}"
         _check_values(where, got)
@@ -223,7 +224,10 @@ def test_sequence_parallel_mlp_blocks_gather_and_reduce_scatter() -> None:
             backward = {
                 "all_gather": 2 * _BLOCKS,
                 "reduce_scatter": _BLOCKS,
-                "all_reduce": 2 * _BLOCKS,
+                # The first backward reduces them one by one (the per-parameter path); then
+                # they join one default bucket (NOTE [data parallel by default]): all broadcast
+                # on the one axis, far below the first bucket's 1 MiB.
+                "all_reduce": 2 * _BLOCKS if step == 0 else 1,
             }
             assert record["forward"] == forward, (where, step, record)
             assert record["backward"] == backward, (where, step, record)
@@ -247,7 +251,8 @@ def test_llama_on_a_data_by_tensor_parallel_mesh() -> None:
     """The same on a 2x2 mesh, tokens split on the data axis (0): on the tensor axis (1) two
     all_reduces per layer forward and two backward; the only other collectives are on the
     data axis: the loss's all_reduce and the parameters' gradient all_reduces, one per
-    parameter; training equals one process on the whole batch."""
+    parameter in the first backward and one per bucket after it; training equals one
+    process on the whole batch."""
     pytest.importorskip("transformers", reason="needs Hugging Face transformers")
     layers = 2
     for rank, got in enumerate(get_pool(4).run(llama_job, [[0, 1], [2, 3]], layers)):
@@ -259,5 +264,12 @@ def test_llama_on_a_data_by_tensor_parallel_mesh() -> None:
             # over the ranks' tokens.
             forward = {tensor_axis: 2 * layers, data_axis: 1}
             assert record["forward"] == forward, (where, step, record)
-            backward = {tensor_axis: 2 * layers, data_axis: got["num_parameters"]}
+            # On the data axis backward: the first backward reduces each parameter's gradient
+            # on its own (the per-parameter path), then the parameters join the default
+            # buckets (NOTE [data parallel by default]), one all_reduce per bucket: one bucket
+            # per kind of parameter, (B, S) or (B, B), since the model is far below the
+            # first bucket's 1 MiB. Every gradient arrives reduced on the tensor axis.
+            assert got["num_buckets"] == got["data_axes_kinds"] == 2, (where, got)
+            per_data_axis = got["num_parameters"] if step == 0 else got["num_buckets"]
+            backward = {tensor_axis: 2 * layers, data_axis: per_data_axis}
             assert record["backward"] == backward, (where, step, record)

@@ -390,7 +390,7 @@ class GradientSync:
             return
         group = _groups.group_along(bucket.placement, axes, rank)  # NOTE [teardown] in comm
         bucket.pending = collectives.all_reduce_async(flat, group, "sum")
-        _trace.record(None, ["all_reduce"])
+        _trace.record(None, ["all_reduce"], [axes])
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s all_reduce and set each ``.grad`` to its reduced piece."""
