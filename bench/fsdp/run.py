@@ -41,7 +41,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._ranks import join_world  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.nn.parallel import fully_shard  # noqa: E402
 from sbpflow.sbp import split  # noqa: E402
@@ -176,21 +175,7 @@ def _worker(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     builders = _builders(world)
     names = list(builders)
     steps = {name: build() for name, build in builders.items()}
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu_times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(WARMUP + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            steps[name]()
-            elapsed = torch.tensor(
-                [time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
-            )
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep >= WARMUP:
-                times[name].append(elapsed[0].item() * 1e3)
-                cpu_times[name].append(elapsed[1].item() * 1e3)
+    times, cpu_times = interleaved_step_times(steps, WARMUP, reps)
     del steps
     peaks = {}
     for name in names:
