@@ -126,6 +126,15 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
     return _all_reduce_in_place(out, group, reduce_op)
 
 
+def same_in_group(value: int, group: Group, device: torch.device) -> bool:
+    """Whether every rank of ``group`` passed the same int64 ``value``: one all_reduce (MAX)
+    of ``[value, -value]`` gives the largest value and minus the smallest, equal only if every
+    rank's value is (as ``_meta.same_on_every_rank`` does over the world)."""
+    pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    largest, minus_smallest = all_reduce(pair, group, "max", inplace=True).tolist()
+    return largest == -minus_smallest
+
+
 class PendingCollective:
     """A collective launched with ``async_op=True``; ``wait()`` finishes it and returns its tensor.
 

@@ -117,9 +117,7 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
         if handle is None:
             continue
         value = stable_hash(repr([(tuple(m.param.shape), m.param.dtype) for m in mine]))
-        pair = torch.tensor([value, -value], dtype=torch.int64, device=mine[0].local.device)
-        largest, minus_smallest = collectives.all_reduce(pair, found, "max", inplace=True).tolist()
-        if largest != -minus_smallest:
+        if not collectives.same_in_group(value, found, mine[0].local.device):
             raise RuntimeError(
                 f"sbpflow: the data-parallel ranks {list(ranks)} computed the gradients of "
                 "different parameters, or in a different order, in this backward pass, so their "
