@@ -32,6 +32,7 @@ from torch import nn
 
 import sbpflow
 from bench._ranks import join_world
+from bench.pipeline._timed import Chain, StepGraph
 from sbpflow.nn.pipeline import StepRecord
 from sbpflow.nn.pipeline.runtime import _step
 from sbpflow.sbp import broadcast
@@ -70,28 +71,13 @@ class _ActionCpu:
 
 def _sbp_graph(schedule: str, num_stages: int) -> tuple[Any, tuple[Any, Any]]:
     placements = [sbpflow.placement("cpu", [r]) for r in range(num_stages)]
-    model = nn.Sequential(*[stage_module(s) for s in range(num_stages)])
-    for stage, placement in zip(model, placements, strict=True):
+    model = Chain([stage_module(s) for s in range(num_stages)])
+    for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, broadcast)
-
-    class Step(sbpflow.nn.Graph):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-            for s, placement in enumerate(placements):
-                self.model[s].config.set_stage(s, placement)
-            self.config.set_gradient_accumulation_steps(M)
-            self.config.set_pipeline_schedule(schedule)
-            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-
-        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.mse_loss(self.model(x), y)
-            loss.backward()
-            return loss
-
     torch.manual_seed(100)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    return Step(), (x.to_global(placements[0], broadcast), y.to_global(placements[-1], broadcast))
+    graph = StepGraph(model, placements, schedule, M)
+    return graph, (x.to_global(placements[0], broadcast), y.to_global(placements[-1], broadcast))
 
 
 def _torch_step(schedule: str, rank: int, cpu: _ActionCpu) -> Callable[[], None]:
