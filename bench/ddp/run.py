@@ -72,7 +72,7 @@ if str(ROOT) not in sys.path:
 
 import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
-from bench._report import machine, write_section  # noqa: E402
+from bench._report import machine, verdict, write_section  # noqa: E402
 from sbpflow.nn.parallel import DistributedDataParallel, sync_gradients  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -341,13 +341,7 @@ def _run_suite(spec: Suite, runs: int, reps: int) -> list[str]:
     for name in targeted:
         target, base = spec.targets[name]
         assert target is not None
-        worst = max(r[name] for r in per_run)
-        middle = statistics.median(r[name] for r in per_run)
-        verdicts.append(
-            f"- {name} / {base}: target <= {target:.2f}x; median of the runs {middle:.2f}x: "
-            f"{'met' if middle <= target else 'missed'}; worst run {worst:.2f}x: "
-            f"{'met' if worst <= target else 'missed'}"
-        )
+        verdicts.append(verdict(f"{name} / {base}", target, [r[name] for r in per_run]))
     print(f"\nload average {load}\n" + "\n".join([*summary, "", *verdicts]), flush=True)
     return [
         *header,

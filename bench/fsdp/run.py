@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 
 import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
-from bench._report import machine, write_section  # noqa: E402
+from bench._report import machine, verdict, write_section  # noqa: E402
 from sbpflow.nn.parallel import fully_shard  # noqa: E402
 from sbpflow.sbp import split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -260,13 +260,8 @@ def main() -> None:
         target = TARGETS[name]
         assert target is not None
         for i, what in enumerate(("step time", "peak memory")):
-            middle = statistics.median(r[name][i] for r in per_run)
-            worst = max(r[name][i] for r in per_run)
-            verdicts.append(
-                f"- {name}, {what}: target <= {target[i]:.2f}x torch's; median of the runs "
-                f"{middle:.2f}x: {'met' if middle <= target[i] else 'missed'}; worst run "
-                f"{worst:.2f}x: {'met' if worst <= target[i] else 'missed'}"
-            )
+            ratios = [r[name][i] for r in per_run]
+            verdicts.append(verdict(f"{name}, {what}", target[i], ratios, of=" torch's"))
     print(f"\nload average {load}\n" + "\n".join([*summary, "", *verdicts]))
     if args.out:
         lines = [

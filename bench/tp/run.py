@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 
 import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
-from bench._report import machine, write_section  # noqa: E402
+from bench._report import machine, verdict, write_section  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -262,11 +262,8 @@ def main() -> None:
     load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
     summary = ["| run | sbpflow / DTensor (median step) |", "|---|---|"]
     summary += [f"| {run + 1} | {r:.2f} |" for run, r in enumerate(ratios)]
-    middle = statistics.median(ratios)
     verdicts = [
-        f"- step time: target <= {TARGET:.2f}x; median of the runs {middle:.2f}x: "
-        f"{'met' if middle <= TARGET else 'missed'}; worst run {max(ratios):.2f}x: "
-        f"{'met' if max(ratios) <= TARGET else 'missed'}",
+        verdict("step time", TARGET, ratios),
         "- collectives and bytes per step at most DTensor's: "
         f"{'met' if all(comm_ok) else 'missed'} in {sum(comm_ok)} of {len(comm_ok)} runs",
     ]
