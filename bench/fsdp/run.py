@@ -19,13 +19,31 @@ the maximum over ranks; warmup steps are dropped; min and median over repetition
 printed with their ratios to torch's, and the median CPU time of a step
 (``time.process_time``: every thread of the rank's process, gloo's included).
 
-Memory: after the timed steps each variant is built again and trains 4 steps under
-``torch.profiler`` with ``profile_memory=True``, which reports every CPU allocation and free
-made by the profiled thread through torch's allocator. A step's peak is the most bytes
-allocated inside the window and alive at once during the step (model, gradients,
-optimizer state, gathered parameters, activations and collective buffers: "tracked
-bytes"); a variant's peak is the median over steps 2 to 4, the larger rank's. Allocations gloo makes on its own threads are not seen, in
-either library (both issue the same gloo collectives).
+Memory: after the timed steps each variant is built again and trains 6 steps under
+``torch.profiler`` with ``profile_memory=True``, with torch's CPU allocator counting the
+bytes it holds in every thread of the rank's process (NOTE [every thread's bytes]). A
+step's peak is the most bytes allocated inside the window and alive at once during the
+step (model, gradients, optimizer state, gathered parameters, activations and collective
+buffers, gloo's worker threads' included: "tracked bytes"), read at each allocation the
+profiler records; a variant's peak is the median over steps 2 to 6, the larger rank's.
+Memory gloo takes outside torch's allocator is not seen, in either library.
+
+# NOTE [every thread's bytes]
+# The profiler reports, with each allocation, the bytes torch's CPU allocator holds; but
+# by default the allocator counts only the frees made on a thread the profiler follows.
+# A buffer freed on gloo's worker thread (a collective's input, its flat copy, dropped
+# when the worker releases the work) then stays counted for the rest of the window, and
+# how many are depends on which thread drops them last: measured so, the bytes held at
+# the end of a step (the model state, 96 MiB here) crept up by 8 or 16 MiB on some
+# steps (to 208 MiB after 8 steps), in both libraries, and the peaks with them. c10's
+# flag ``caffe2_report_cpu_memory_usage`` makes the allocator count every thread's
+# allocations and frees; it has no Python setter, so ``_count_every_thread`` sets it
+# through ctypes for the measurement. With it, the bytes held at the end of every step
+# are the same from step to step (the model state), as a training loop's must be.
+# A model under either library's fully_shard is a reference cycle (module and state),
+# so the variant measured before is freed by the garbage collector, whenever it runs:
+# inside the next variant's window, its frees (48 MiB of parameters and gradients)
+# would lower that variant's peak; a collection before each window frees it first.
 
 Usage (from the repository root)::
 
@@ -37,11 +55,14 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import ctypes
+import gc
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,16 +157,39 @@ def _builders(world: int) -> dict[str, Callable[[], Callable[[], None]]]:
     return builders
 
 
-MEASURED_STEPS = 3
+MEASURED_STEPS = 5
+
+
+@contextlib.contextmanager
+def _count_every_thread() -> Iterator[None]:
+    """torch's CPU allocator counts every thread's allocations and frees meanwhile (NOTE
+    [every thread's bytes])."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    try:
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    except ValueError as e:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s libc10 has no flag caffe2_report_cpu_memory_usage; "
+            "the peak memory measurement needs it (NOTE [every thread's bytes])."
+        ) from e
+    before, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = before
 
 
 def _peak_step_bytes(build: Callable[[], Callable[[], None]]) -> float:
-    """The median over steps 2 to 4 of a fresh model of the most tracked bytes alive at once
+    """The median over steps 2 to 6 of a fresh model of the most tracked bytes alive at once
     during the step (what earlier steps left alive, e.g. gradients, included)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    gc.collect()  # the variant measured before: freed now, not inside this window
+    with (
+        _count_every_thread(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         step = build()
         step()
         for _ in range(MEASURED_STEPS):
@@ -232,8 +276,10 @@ def main() -> None:
         f"({num_params / 1e6:.1f}M parameters, fp32), {ROWS_PER_RANK} rows per rank, AdamW, "
         f"fully_shard on each block and the root; {args.reps} timed steps per variant and run "
         f"after {WARMUP} warmup, variants interleaved; a step's time is the slower rank's. "
-        "Peak: the most tracked bytes (torch.profiler's CPU allocations) alive at once during "
-        "a step, model state included (median of 3 steps), the larger rank's.",
+        "Peak: the most bytes torch's CPU allocator holds at once during a step, every thread "
+        "of the rank's process counted (gloo's workers included), read at each allocation "
+        "torch.profiler records; model state included; median of "
+        f"{MEASURED_STEPS} steps, the larger rank's.",
     ]
     print("\n".join(header), flush=True)
     per_run: list[dict[str, tuple[float, float]]] = []

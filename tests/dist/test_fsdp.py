@@ -21,7 +21,8 @@ The collectives each step ran are counted from the boxing trace (one all_gather 
 in forward, one per block again in backward, one reduce_scatter per module). Memory is
 measured from the tensors each rank holds: between steps its pieces of the parameters,
 gradients and AdamW state are 1/N of the whole (+ one row of rounding) and nothing gathered
-is alive; during forward, at most two blocks (besides the root) hold gathered buffers.
+is alive; during forward, at most two blocks (besides the root) hold gathered buffers; when
+a reduce_scatter starts, the unsharded gradients are freed.
 A checkpoint saved on 4 ranks loads on 2 as FSDP and as DP, and in a plain process.
 """
 
@@ -31,9 +32,11 @@ import contextlib
 import copy
 import os
 import pickle
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
+from sbpflow.comm import collectives
 from sbpflow.nn.parallel import fully_shard
 from sbpflow.nn.parallel.fsdp import _state_of
 from sbpflow.sbp import Broadcast, Split
@@ -335,16 +339,32 @@ def memory_job() -> dict[str, Any]:
     groups = [_state_of(b).group for b in model.blocks]
     root = _state_of(model).group
     live_blocks: list[int] = []
+    grads: list[weakref.ref[torch.Tensor]] = []  # the blocks' unsharded gradients
+    at_reduce: list[tuple[int, int]] = []  # as a reduce_scatter starts: (grads alive, gathered)
+
+    def gradient_refs(module: nn.Module, args: Any) -> None:  # after fully_shard's pre-hook
+        for p in module.parameters():  # the gathered parameters, during the forward
+            p.register_hook(lambda g: grads.append(weakref.ref(g)))  # type: ignore[misc]
+
+    def reduce_scatter_async(*args: Any, **kwargs: Any) -> Any:
+        alive = sum(ref() is not None for ref in grads)
+        at_reduce.append((alive, sum(g.unsharded_bytes > 0 for g in groups)))
+        return real_reduce_scatter(*args, **kwargs)
+
+    real_reduce_scatter = collectives.reduce_scatter_async
     for block in model.blocks:
         block.register_forward_hook(  # before fully_shard's own hook frees the block
             lambda *_: live_blocks.append(sum(g.unsharded_bytes > 0 for g in groups)),
             prepend=True,
         )
+        block.register_forward_pre_hook(gradient_refs)
     between = []
     for step in range(_STEPS):
         ((x, y),) = _micro_batches(step, 1)
         opt.zero_grad(set_to_none=False)
-        F.mse_loss(model(_batch(x, placement, S0)), _batch(y, placement, S0)).backward()
+        loss = F.mse_loss(model(_batch(x, placement, S0)), _batch(y, placement, S0))
+        with mock.patch.object(collectives, "reduce_scatter_async", reduce_scatter_async):
+            loss.backward()
         opt.step()
         held = {"param": 0, "grad": 0, "exp_avg": 0, "exp_avg_sq": 0}
         for p in model.parameters():
@@ -359,7 +379,13 @@ def memory_job() -> dict[str, Any]:
     total = sum(p.numel() for p in model.parameters())
     # every parameter's piece is at most one row (of its dim 0) over an even share
     rounding = sum(p.numel() // p.shape[0] for p in model.parameters())
-    return {"between": between, "total": total, "rounding": rounding, "live_blocks": live_blocks}
+    return {
+        "between": between,
+        "total": total,
+        "rounding": rounding,
+        "live_blocks": live_blocks,
+        "at_reduce": at_reduce,
+    }
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -523,13 +549,20 @@ def test_memory_between_steps_and_during_forward(world_size: int) -> None:
     """Between steps: this rank's pieces of parameters, gradients and both AdamW moments are
     each at most 1/N of the model (+ one row per parameter of rounding), and no gathered
     buffer is alive. During forward: when a block's forward ends, exactly two of the 5
-    blocks hold gathered buffers (itself and the next one, prefetched), never more."""
+    blocks hold gathered buffers (itself and the next one, prefetched), never more. During
+    backward: when a module's reduce_scatter starts, no unsharded gradient of a block is
+    alive and at most one block (the one prefetched) holds gathered buffers."""
     for rank, got in enumerate(get_pool(world_size).run(memory_job)):
         bound = got["total"] / world_size + got["rounding"]
         for step in got["between"]:
             assert all(n <= bound for n in step["held"].values()), (rank, bound, step)
             assert step["gathered_bytes"] == 0 and step["states"] == ["sharded"], (rank, step)
         assert max(got["live_blocks"]) == 2, (rank, got["live_blocks"])
+        assert len(got["at_reduce"]) == 6 * _STEPS, (rank, got["at_reduce"])  # blocks, root
+        assert all(alive == 0 and gathered <= 1 for alive, gathered in got["at_reduce"]), (
+            rank,
+            got["at_reduce"],
+        )
 
 
 _BAD_INPUT = {

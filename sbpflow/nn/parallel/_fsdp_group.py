@@ -18,6 +18,8 @@
 #     ``reduce_scatter``, member k's part of each gradient into row k, converted to the
 #     reduce dtype, and after them one flag per parameter (1 where this rank had a
 #     gradient), so a parameter no rank computed a gradient for keeps ``.grad`` None.
+#     Packing and sending are two calls: the unsharded gradients are dropped between them,
+#     so they are not alive with the collective's buffers (the result, gloo's copy).
 #     Each rank's result is its shard of every gradient, S(d) on the data axis: a sum, as
 #     P -> S(d) is, so a loss averaged over the whole batch gets the single-process
 #     gradient. Without gradient sync (``set_requires_gradient_sync(False)``) the rows
@@ -154,13 +156,13 @@ class ParamGroup:
         return self._storage.nbytes() + in_flight
 
     # -- reduce ------------------------------------------------------------------------
-    def reduce_gradients(self, grads: Sequence[torch.Tensor | None]) -> PendingReduction | None:
-        """Start reducing the block's partial gradients (one per parameter, None where it
-        got none) to this rank's shards; None when nothing is sent (kept for a later
-        reduction without gradient sync, or a rank outside the placement)."""
+    def pack_gradients(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Put the block's partial gradients (one per parameter, None where it got none)
+        into the rows of its reduce_scatter, added to the rows kept without gradient sync;
+        the caller drops the gradients before ``start_reduction`` sends the rows."""
         if self.group is None:
             self._set_outside_grads(grads)
-            return None
+            return
         rows = self._accumulated
         add = rows is not None
         if rows is None:
@@ -176,9 +178,15 @@ class ParamGroup:
                 rows[:, self.row_numel + i] += 1
             elif not add:
                 p.zero_rows(rows)
-        if not self.requires_gradient_sync:
-            self._accumulated = rows
+        self._accumulated = rows
+
+    def start_reduction(self) -> PendingReduction | None:
+        """Start reducing the packed rows to this rank's shards; None when nothing is sent
+        (kept for a later reduction without gradient sync, or a rank outside the placement)."""
+        rows = self._accumulated
+        if rows is None or not self.requires_gradient_sync:
             return None
+        assert self.group is not None
         self._accumulated = None
         out = rows.new_empty(rows.shape[1])
         pending = collectives.reduce_scatter_async(out, rows, self.group, "sum")

@@ -5,10 +5,14 @@
 # and ``_GatheredParams`` turns the sharded parameters into new tensors of the unsharded
 # ones (B on the data axis), one autograd node for the block; the module computes with
 # those (they replace the parameters on their owners during its forward, and the sharded
-# ones come back after it). Autograd runs that node's backward once the gradients of all
-# its outputs have arrived, i.e. after every op of the block that used a parameter has
-# run its backward: that is the block's post-backward. It starts the block's one
-# reduce_scatter (P -> S(d)) and frees the gathered parameters; it returns no gradient
+# ones come back after it). Autograd runs that node once the gradients of all its
+# outputs have arrived, i.e. after every op of the block that used a parameter has run
+# its backward: that is the block's post-backward, in two parts. A pre-hook of the node
+# frees the gathered parameters, finishes the previous block's reduction and packs the
+# gradients into the rows of the block's one reduce_scatter (P -> S(d)); it hands
+# autograd None in their place, so the unsharded gradients are freed before the node's
+# backward starts the reduce_scatter (whose buffers would otherwise be alive with them:
+# autograd holds a node's inputs until the node returns). The node returns no gradient
 # for the sharded parameters, whose ``.grad`` receives its shard when the reduce_scatter
 # completes. The next block's post-backward (so one reduce_scatter is in flight while the
 # block before it computes its backward) or the end of the backward pass, whichever
@@ -160,6 +164,8 @@ class FSDPState:
         params = group.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             gathered = _GatheredParams.apply(self, *(p.param for p in params))
+            node = next(t.grad_fn for t in gathered if t.grad_fn is not None)
+            node.register_prehook(self._pack_gradients)
         else:
             gathered = tuple(p.gathered() for p in params)
         for p, tensor in zip(params, gathered, strict=True):
@@ -231,15 +237,21 @@ class FSDPState:
         if call.generation == ctx.generation and 0 < call.index <= len(ctx.post_forward):
             ctx.post_forward[call.index - 1].unshard()  # NOTE [prefetch]
 
-    def post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The block's gradients are all in (NOTE [gathered parameters in autograd])."""
+    def _pack_gradients(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
+        """The block's gradients are all in (NOTE [gathered parameters in autograd]): the
+        first part of its post-backward, a pre-hook of its gather's autograd node."""
         ctx = self.ctx
         ctx.queue_end_of_backward()
-        ctx.finish_reductions()  # the previous block's: one reduce_scatter in flight
-        reduction = self.group.reduce_gradients(grads)
-        if reduction is not None:
-            ctx.reductions.append(reduction)
         self.group.reshard()
+        ctx.finish_reductions()  # the previous block's: one reduce_scatter in flight
+        self.group.pack_gradients(grads)
+        return (None,) * len(grads)  # autograd drops the unsharded gradients
+
+    def post_backward(self) -> None:
+        """The second part: start the block's reduce_scatter."""
+        reduction = self.group.start_reduction()
+        if reduction is not None:
+            self.ctx.reductions.append(reduction)
 
 
 STATE_ATTR = "_sbpflow_fsdp_state"  # in a fully sharded module's __dict__
@@ -262,7 +274,7 @@ class _GatheredParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        ctx.state.post_backward(grads)
+        ctx.state.post_backward()  # the gradients went to the pre-hook, these are None
         return (None,) * (1 + len(grads))
 
 
