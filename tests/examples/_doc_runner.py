@@ -9,7 +9,7 @@ random state of a fresh process. Its code is compiled with the page's path and l
 numbers, so a traceback points into the Markdown file.
 
 After each program every rank appends one JSON line to ``OUT/rank<r>.jsonl``:
-``{"index": i}`` when it ran, or ``{"index": i, "where": "page:line", "error": traceback}``
+``{"index": i, "seconds": s}`` when it ran, or ``{"index": i, "where": "page:line", "error": traceback}``
 for the first block that raised (or printed something other than its shown output), after
 which the rank stops, and the launcher stops the others.
 """
@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
@@ -112,6 +113,7 @@ def main(argv: list[str]) -> int:
         sbpflow.manual_seed(0)  # sbpflow's random state as a fresh process starts with it
         torch.set_rng_state(fresh_torch_state)
         record: dict[str, Any] = {"index": index, "where": f"{program['page']}:?"}
+        started = time.perf_counter()
         try:
             if program["kind"] == "test module":
                 record["where"] = f"{program['page']}:{program['blocks'][0]['line']}"
@@ -120,6 +122,7 @@ def main(argv: list[str]) -> int:
                 _run_script(program, rank, record)
         except BaseException as error:  # a block that calls sys.exit() fails too
             record["error"] = _traceback_from_the_page(error)
+        record["seconds"] = round(time.perf_counter() - started, 2)  # to find slow pages
         with open(out / f"rank{rank}.jsonl", "a") as report:
             report.write(json.dumps(record) + "\n")
         if "error" in record:
