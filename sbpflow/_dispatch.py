@@ -31,16 +31,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _rng
+from . import _global, _rng
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
 from ._bounded import BoundedDict
 from ._devices import move_to_device
-from ._global import GlobalTensor, Meta, meta_of, wrap
 from ._gradient_hooks import apply_gradient_plan
 from ._layout import Layout, empty_local_shape
 from ._lazy_bits import resolve_arguments
@@ -56,6 +55,9 @@ from .ops._registry import FloatArg, LocalContext, OpInfo, Strategy, TensorMeta
 from .placement import Placement
 from .sbp import Broadcast
 
+if TYPE_CHECKING:
+    from ._global import Meta
+
 aten = torch.ops.aten
 
 _TO_COPY = aten._to_copy.default
@@ -70,6 +72,13 @@ def special(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return fn
 
     return register
+
+
+class OpDispatcher:
+    """``GlobalTensor``'s dispatcher, its class attribute (NOTE [tensor layers] in _global)."""
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return dispatch(func, args, kwargs)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -103,7 +112,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @special(aten.detach.default, aten.alias.default)
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
-    return wrap(func(x._local), x._meta)  # the same layout, shape, dtype and strides
+    return _global.wrap(func(x._local), x._meta)  # the same layout, shape, dtype and strides
 
 
 @special(aten._local_scalar_dense.default, aten.item.default)
@@ -132,7 +141,7 @@ class _Decision:
     def output_meta(self, k: int, dtype: torch.dtype) -> Meta:
         """Tensor output ``k``'s interned metadata, with ``dtype`` (the piece's)."""
         shape = self.output_metas[k].shape
-        return meta_of(self.output_layouts[k], shape, dtype, self.output_strides[k])
+        return _global.meta_of(self.output_layouts[k], shape, dtype, self.output_strides[k])
 
 
 # Distinct (op, layouts, shapes, arguments) calls; a model's step makes hundreds to a few thousand.
@@ -154,15 +163,15 @@ def _run_rule(
     # torch.compile trace holds, join exactly as a torch.Tensor does in eager (else the
     # rule would not see them, and a trace could choose a layout eager would not).
     for i, a in enumerate(flat):
-        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() > 0:
+        if isinstance(a, torch.Tensor) and not isinstance(a, _global.GlobalTensor) and a.dim() > 0:
             if a.device.type != placement.type:  # NOTE [device moves]
                 raise ValueError(
                     f"{func} got a plain tensor on {a.device} with global tensors on {placement}; "
                     "a plain tensor joins as broadcast on the global tensors' device: move it "
                     f"with .to({placement.type!r}) or convert it with .to_global(placement, sbp)."
                 )
-            flat[i] = GlobalTensor(a, full, a.shape)
-    positions = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
+            flat[i] = _global.GlobalTensor(a, full, a.shape)
+    positions = [i for i, a in enumerate(flat) if isinstance(a, _global.GlobalTensor)]
     globals_ = [flat[i] for i in positions]
     mutated = _mutated_ids(func, args, kwargs)
     key = folded = _cache_key(func, args, kwargs, exact_floats=False)
@@ -257,7 +266,7 @@ _registry.on_change(_forget_decisions)  # a new rule replaces what was decided w
 def _fast_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A flat key of the call (hashable unless an argument is not), or None when the call
     cannot take the fast path."""
-    gt = GlobalTensor
+    gt = _global.GlobalTensor
     parts: list[Any] = [func]
     for a in args:
         if isinstance(a, gt):
@@ -315,7 +324,7 @@ def _writes_first_argument_only(
 ) -> bool:
     first = args[0] if args else None
     return (
-        isinstance(first, GlobalTensor)
+        isinstance(first, _global.GlobalTensor)
         and mutated == {id(first)}
         and out is first._local
         and torch.Tag.inplace_view not in func.tags
@@ -327,7 +336,7 @@ def _writes_first_argument_only(
 
 
 def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    gt = GlobalTensor
+    gt = _global.GlobalTensor
     if fast.gradients is not None:
         apply_gradient_plan(fast.gradients, args)
     local_args = [a._local if isinstance(a, gt) else a for a in args]
@@ -338,21 +347,23 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     else:
         out = fast.op(*local_args, **kwargs)
     if fast.container is None:
-        return wrap(out, fast.outputs[0])
+        return _global.wrap(out, fast.outputs[0])
     if fast.container is _IN_PLACE:
         return args[0]
-    return fast.container([wrap(o, meta) for o, meta in zip(out, fast.outputs, strict=True)])
+    return fast.container(
+        [_global.wrap(o, meta) for o, meta in zip(out, fast.outputs, strict=True)]
+    )
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:
-    marks, _ = tree_unflatten([isinstance(a, GlobalTensor) for a in flat], spec)
+    marks, _ = tree_unflatten([isinstance(a, _global.GlobalTensor) for a in flat], spec)
     return frozenset(i for i, m in enumerate(marks) if any(tree_flatten(m)[0]))
 
 
 def _common_placement(func: Any, flat: list[Any]) -> Placement:
     placement = None
     for a in flat:
-        if isinstance(a, GlobalTensor):
+        if isinstance(a, _global.GlobalTensor):
             if placement is None:
                 placement = a.placement
             elif a.placement != placement:
@@ -384,7 +395,7 @@ def _cache_key(func: Any, args: tuple, kwargs: dict, exact_floats: bool) -> Any:
 
 
 def _key_part(a: Any, exact_floats: bool) -> Any:
-    if isinstance(a, GlobalTensor):
+    if isinstance(a, _global.GlobalTensor):
         return (a._layout, tuple(a.shape), a.dtype, a.stride())
     if isinstance(a, torch.Tensor):
         return ("t", tuple(a.shape), a.dtype)
@@ -397,7 +408,7 @@ def _key_part(a: Any, exact_floats: bool) -> Any:
 
 def _to_meta(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        if isinstance(a, GlobalTensor):  # its logical strides (NOTE [logical strides])
+        if isinstance(a, _global.GlobalTensor):  # its logical strides (NOTE [logical strides])
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         return a.to("meta")
     if isinstance(a, torch.device):  # e.g. _to_copy(..., device=cpu): stay on meta
@@ -472,7 +483,7 @@ def _decide(
 
 def _describe(flat: list[Any]) -> str:
     return ", ".join(
-        f"{a.sbp} {list(a.shape)}" if isinstance(a, GlobalTensor) else type(a).__name__
+        f"{a.sbp} {list(a.shape)}" if isinstance(a, _global.GlobalTensor) else type(a).__name__
         for a in flat
         if isinstance(a, torch.Tensor)
     )
@@ -504,7 +515,7 @@ def _wrap_outputs(out: Any, decision: _Decision, globals_: list[Any], mutated: s
             if id(o) in by_local:
                 wrapped.append(by_local[id(o)])
             else:
-                wrapped.append(wrap(o, decision.output_meta(index_of[position], o.dtype)))
+                wrapped.append(_global.wrap(o, decision.output_meta(index_of[position], o.dtype)))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, out_spec)
@@ -542,7 +553,7 @@ def _wrap_outputs_outside(func: Any, decision: _Decision, args: Any, kwargs: Any
             k = next(tensor_outputs)
             meta = decision.output_metas[k]
             local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-            wrapped.append(wrap(local, decision.output_meta(k, meta.dtype)))
+            wrapped.append(_global.wrap(local, decision.output_meta(k, meta.dtype)))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, structure[0])
@@ -584,7 +595,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
     written: list[tuple[Any, torch.Tensor]] = []  # (global written into, its broadcast local)
     for i, a in enumerate(flat):
-        if isinstance(a, GlobalTensor):
+        if isinstance(a, _global.GlobalTensor):
             local = (
                 box_below_autograd(a, full) if a._layout.normalized() != full.normalized() else a
             )._local
@@ -608,10 +619,12 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for g, local in written:
         by_local[id(local)] = g
         if local is not g._local:
-            g._local.copy_(box_below_autograd(GlobalTensor(local, full, g.shape), g._layout)._local)
+            g._local.copy_(
+                box_below_autograd(_global.GlobalTensor(local, full, g.shape), g._layout)._local
+            )
     out_flat, out_spec = tree_flatten(out)
     wrapped = [
-        (by_local[id(o)] if id(o) in by_local else GlobalTensor(o, full, o.shape))
+        (by_local[id(o)] if id(o) in by_local else _global.GlobalTensor(o, full, o.shape))
         if isinstance(o, torch.Tensor)
         else o
         for o in out_flat

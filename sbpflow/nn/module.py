@@ -141,11 +141,3 @@ def _convert(entry: _Shared, t: torch.Tensor, placement: Placement, sbp: Any) ->
     except (ValueError, TypeError) as error:
         kind = "parameter" if entry.is_parameter else "buffer"
         raise type(error)(f"module.to_global: {kind} {entry.names[0]!r}: {error}") from error
-
-
-def _module_to_global(self: torch.nn.Module, placement: Placement, sbp: SbpSpec) -> torch.nn.Module:
-    return module_to_global(self, placement, sbp)
-
-
-_module_to_global.__doc__ = module_to_global.__doc__
-torch.nn.Module.to_global = _module_to_global  # type: ignore[attr-defined]
