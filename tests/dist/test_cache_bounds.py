@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import _bounded, _dispatch, _global, _printing, tensor
-from sbpflow.boxing import _transfer, planner
+from sbpflow import _bounded, _dispatch, _global, _printing
+from sbpflow.boxing import _redistribute, _transfer, planner
 from sbpflow.ops import views
 from sbpflow.sbp import broadcast, split
 from sbpflow.testing import DistributedPool
@@ -28,7 +28,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
     """Every cache keyed by shapes: name -> (entries now, bound). The one list of them."""
     bounded = [
         (_global._metas, _global.METAS_BOUND),
-        (tensor._boxing_metas, tensor.BOXING_METAS_BOUND),
+        (_redistribute._boxing_metas, _redistribute.BOXING_METAS_BOUND),
         (_printing._reading_metas, _printing.READING_METAS_BOUND),
         (_dispatch._decisions, _dispatch.DECISIONS_BOUND),
         (_dispatch._fast, _dispatch.FAST_BOUND),
