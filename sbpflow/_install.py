@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from ._saving import pickling_first
-from .nn.module import module_to_global
+from .nn.module import module_to_global_method
 from .tensor import tensor_to_global
 
 torch.Tensor.to_global = tensor_to_global  # type: ignore[attr-defined]
 torch.Tensor.is_global = property(lambda self: False)  # type: ignore[attr-defined]
-torch.nn.Module.to_global = module_to_global  # type: ignore[attr-defined]
+torch.nn.Module.to_global = module_to_global_method  # type: ignore[attr-defined]
 torch.save = pickling_first(torch.save)

@@ -141,3 +141,13 @@ def _convert(entry: _Shared, t: torch.Tensor, placement: Placement, sbp: Any) ->
     except (ValueError, TypeError) as error:
         kind = "parameter" if entry.is_parameter else "buffer"
         raise type(error)(f"module.to_global: {kind} {entry.names[0]!r}: {error}") from error
+
+
+def module_to_global_method(
+    self: torch.nn.Module, placement: Placement, sbp: SbpSpec
+) -> torch.nn.Module:
+    # ``torch.nn.Module.to_global`` (NOTE [what import sbpflow adds to torch] in _install).
+    return module_to_global(self, placement, sbp)
+
+
+module_to_global_method.__doc__ = module_to_global.__doc__
