@@ -30,6 +30,7 @@ import torch
 
 from . import _global
 from ._layout import Layout
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_local_rank, get_rank
 from .placement import Placement
 
@@ -80,6 +81,7 @@ def move_to_device(func: Any, x: GlobalTensor, kwargs: dict[str, Any]) -> Global
         x = func(x, dtype=dtype)  # the cast first, through the ``_to_copy`` rule (partials)
     local = func(x._local, **{**kwargs, "device": target, "dtype": None})
     placement = Placement(target.type, x.placement.ranks)
+    MESHES.of(placement, "a device move")  # its groups, made on every rank (NOTE [meshes])
     return _global.GlobalTensor(local, Layout(placement, x._layout.sbp), x.shape)
 
 

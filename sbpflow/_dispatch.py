@@ -51,7 +51,8 @@ from ._propagation import GradientPlan
 from ._view_writes import refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
-from .comm import _errors, _functional, _groups
+from .comm import _errors, _functional
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_rank
 from .ops import _registry
 from .ops._registry import LocalContext, TensorMeta
@@ -124,7 +125,7 @@ class OpDispatcher:
     ) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         placement = _common_placement(func, flat)
-        _groups.ensure_placement_groups(placement, get_rank())
+        MESHES.of(placement, "an op")  # made at its entry point (NOTE [meshes])
         full = Layout(placement, tuple(Broadcast() for _ in range(placement.ndim)))
         # Plain tensors join as broadcast globals (0-dim ones stay scalars). "Plain" is any
         # tensor that is not global: a Parameter, and the fake or functional tensors a

@@ -25,6 +25,7 @@ import torch
 
 from . import _global, _rng
 from ._layout import Layout, empty_local_shape, partial_piece
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_rank
 from .placement import Placement
 from .sbp import normalize
@@ -81,6 +82,7 @@ def _layout_for(placement: Any, sbp: Any, ndim: int, name: str) -> Layout:
 def _build(
     shape: tuple[int, ...], layout: Layout, dtype: torch.dtype, make: Any, requires_grad: bool
 ) -> GlobalTensor:
+    MESHES.of(layout.placement, "a factory")  # its groups, made on every rank (NOTE [meshes])
     rank = get_rank()
     device = device_for(layout.placement.type)
     if rank in layout.placement:

@@ -26,7 +26,8 @@ from ._global import GlobalTensor, as_global_grad, is_global, keep_grad_layout
 from ._layout import Layout, dual_sbp, empty_local_shape, logical_shape_from_locals
 from ._lazy_bits import resolved
 from .boxing import tracing as _trace
-from .comm import _groups, collectives
+from .comm import collectives
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_rank, get_world_size
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, SbpParallel, Split, normalize, sbp_str
@@ -86,8 +87,7 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     if rank in pl and all(isinstance(s, Broadcast) for s in layout.sbp):
         local = _own_storage(local)  # NOTE [own storage]
     if b_axes:
-        groups = pl.groups_along(b_axes)
-        found = _groups.group_of(pl.type, groups, rank)
+        found = MESHES.of(pl, "to_global").group(tuple(b_axes))
         if found is not None:
             ranks, _ = found
             # The head only sends (dist.broadcast leaves its buffer untouched).
@@ -179,6 +179,7 @@ def _from_local(
         raise ValueError(error)
     logical = tuple(shape) if shape is not None else tuple(x.shape)
     layout = Layout(placement, nd_sbp)
+    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
     return _FromLocal.apply(x, layout, logical)
 
 

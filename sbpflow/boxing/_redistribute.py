@@ -47,6 +47,7 @@ from .. import _global, _meta_check, _step_context
 from .._bounded import BoundedDict
 from .._compiling import graph_break
 from .._layout import Layout
+from ..comm._mesh import MESHES
 from ..comm._world import get_rank
 from ..placement import Placement
 from ..sbp import SbpParallel, normalize, sbp_str
@@ -112,6 +113,7 @@ def _box(
         _check_boxing_meta(x, dst)
     if dst == x._layout:
         return x
+    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
     if placement.type != x.placement.type:
         # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
         # (a local copy, differentiable), then boxing between placements of one type.
