@@ -113,12 +113,12 @@ def _box(
         _check_boxing_meta(x, dst)
     if dst == x._layout:
         return x
-    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
     if placement.type != x.placement.type:
         # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
         # (a local copy, differentiable), then boxing between placements of one type.
         moved = cast(_global.GlobalTensor, x.to(placement.type))
         return moved.to_global(placement, dst.sbp, check_meta=False)
+    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
     return Redistribute.apply(x, dst)
 
 
