@@ -2,7 +2,7 @@
 (NOTE [meshes] in sbpflow/comm/_mesh.py).
 
 On 2 ranks a training step mixes data parallelism (input ``S(0)``, weight ``B``), a
-column-split weight, a factory, a device-type-free boxing onto a placement of one rank
+column-split weight, a factory, boxing onto a placement of one rank
 (rank 0 sits outside it) and an SGD step. Every placement it touched got its mesh at the
 entry that brought it in, and none from the dispatcher; the values equal plain
 single-process PyTorch computed in the same job. A global tensor built on a new placement
