@@ -4,7 +4,9 @@
 engine turns one layout into another with collectives. See ``docs/``.
 """
 
-from . import boxing, checkpoint, env, nn, sbp, utils
+# ``_global`` first: it is the class module the layers below import back (NOTE [tensor
+# layers] in _global); ``_install`` adds ``to_global`` to torch's classes.
+from . import _global, _install, boxing, checkpoint, env, nn, sbp, utils  # noqa: F401
 from ._factories import (
     arange,
     empty,
@@ -23,7 +25,6 @@ from ._factories import (
 )
 from ._visualize import visualize
 from .checkpoint import export_safetensors, load, save
-from .nn import module as _module  # noqa: F401  (adds torch.nn.Module.to_global)
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global, to_global
 

@@ -24,14 +24,18 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ._global import GlobalTensor
+from . import _global
 from ._layout import Layout
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_local_rank, get_rank
 from .placement import Placement
+
+if TYPE_CHECKING:
+    from ._global import GlobalTensor
 
 __all__ = ["check_move", "cuda_method", "move_to_device", "own_device", "to_method"]
 
@@ -77,7 +81,8 @@ def move_to_device(func: Any, x: GlobalTensor, kwargs: dict[str, Any]) -> Global
         x = func(x, dtype=dtype)  # the cast first, through the ``_to_copy`` rule (partials)
     local = func(x._local, **{**kwargs, "device": target, "dtype": None})
     placement = Placement(target.type, x.placement.ranks)
-    return GlobalTensor(local, Layout(placement, x._layout.sbp), x.shape)
+    MESHES.of(placement, "a device move")  # its groups, made on every rank (NOTE [meshes])
+    return _global.GlobalTensor(local, Layout(placement, x._layout.sbp), x.shape)
 
 
 def check_move(x: GlobalTensor, device: torch.device | None) -> None:
@@ -121,4 +126,4 @@ def cuda_method(
     else:
         requested = torch.device(device)
     own = own_device(requested, self)
-    return cast(GlobalTensor, _TENSOR_CUDA(self, own, non_blocking, memory_format=memory_format))
+    return cast("GlobalTensor", _TENSOR_CUDA(self, own, non_blocking, memory_format=memory_format))

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _rng
-from ._global import GlobalTensor
+from . import _global, _rng
 from ._layout import Layout, empty_local_shape, partial_piece
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_rank
 from .placement import Placement
 from .sbp import normalize
+
+if TYPE_CHECKING:
+    from ._global import GlobalTensor
 
 __all__ = [
     "arange",
@@ -79,6 +82,7 @@ def _layout_for(placement: Any, sbp: Any, ndim: int, name: str) -> Layout:
 def _build(
     shape: tuple[int, ...], layout: Layout, dtype: torch.dtype, make: Any, requires_grad: bool
 ) -> GlobalTensor:
+    MESHES.of(layout.placement, "a factory")  # its groups, made on every rank (NOTE [meshes])
     rank = get_rank()
     device = device_for(layout.placement.type)
     if rank in layout.placement:
@@ -88,7 +92,7 @@ def _build(
             local = partial_piece(local, layout, rank)
     else:
         local = torch.empty(empty_local_shape(len(shape)), dtype=dtype, device=device)
-    out = GlobalTensor(local.to(dtype), layout, shape)
+    out = _global.GlobalTensor(local.to(dtype), layout, shape)
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
@@ -294,7 +298,7 @@ def _like_layout(input: Any, placement: Any, sbp: Any, name: str) -> tuple[Any, 
     """The placement and SBP for ``name(input, ...)``: the given ones, else ``input``'s own."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"sbpflow.{name} takes a tensor, got {type(input).__name__} {input!r}.")
-    if not isinstance(input, GlobalTensor):
+    if not isinstance(input, _global.GlobalTensor):
         if placement is None or sbp is None:
             raise ValueError(
                 f"sbpflow.{name} of a plain tensor needs placement= and sbp= (a global input "

@@ -1,13 +1,19 @@
 """The global tensor type: a wrapper subclass around this rank's local tensor, and its metadata.
 
 # NOTE [tensor layers]
-# ``GlobalTensor`` is defined here, below every module that unwraps and wraps
-# it: the dispatcher and its rules, boxing and printing import this module at
-# top. The methods that need those layers (``to_global``, ``to_local``,
-# printing and reading the logical value) are set on the class by
-# ``sbpflow.tensor``, which sits above them, and ``sbpflow.tensor`` also binds
-# ``__torch_dispatch__`` to the dispatcher. So the import graph runs one way
-# (tests/unit/test_import_graph.py checks it) and an op costs no import.
+# ``GlobalTensor`` is one class, defined here with all its methods, its
+# dispatcher a class attribute (``_op_dispatcher``), as DTensor's ``_api.py``
+# holds its ``OpDispatcher``. Its methods run the layers below it in data flow:
+# the dispatcher and its rules, boxing, printing, device moves, pickling. Those
+# layers make and recognise global tensors too, so they import this module
+# back, as a module object (``from . import _global``), and read
+# ``_global.GlobalTensor`` when they run, never while they are imported. That
+# is the one cycle of the import graph, and it holds only because this module
+# is imported first: ``sbpflow/__init__.py`` imports it before anything else,
+# and its own imports of those layers finish before its class statement runs
+# (tests/unit/test_import_graph.py checks both). Nothing else sets anything on
+# the class; what torch's own classes get (``Tensor.to_global``,
+# ``Module.to_global``) is added in one place, sbpflow/_install.py.
 
 # NOTE [interned metadata]
 # A global tensor's (layout, logical shape, dtype) is one ``Meta`` object per
@@ -24,23 +30,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from . import _step_context
+from . import _devices, _dispatch, _printing, _saving, _step_context
 from ._bounded import BoundedDict
 from ._compiling import never_a_compiled_frame
-from ._layout import Layout
+from ._layout import Layout, dual_sbp
+from .boxing import _redistribute
 from .comm._world import get_rank
 from .placement import Placement
-from .sbp import Broadcast, NdSbp
+from .sbp import Broadcast, NdSbp, SbpParallel
 
 __all__ = [
     "GlobalTensor",
     "Meta",
     "as_global_grad",
-    "bind_dispatcher",
     "bind_gradient_discovery",
     "drop_grad_layout_hook",
     "is_global",
@@ -153,41 +159,15 @@ def wrap(
     return self
 
 
-def _unbound_dispatcher(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    raise RuntimeError(f"{func} on a global tensor before sbpflow.tensor bound the dispatcher.")
-
-
-_dispatcher: Callable[[Any, Any, dict[str, Any]], Any] = _unbound_dispatcher
-
-
-def _unbound_box(x: GlobalTensor, layout: Layout) -> GlobalTensor:
-    raise RuntimeError("boxing a global tensor before sbpflow.tensor bound the dispatcher.")
-
-
-_box: Callable[[GlobalTensor, Layout], GlobalTensor] = _unbound_box
-
-
-def bind_dispatcher(
-    dispatch: Callable[[Any, Any, dict[str, Any]], Any],
-    box: Callable[[GlobalTensor, Layout], GlobalTensor],
-) -> None:
-    """Route every ATen op on a global tensor to ``dispatch``, and boxing below autograd to
-    ``box`` (NOTE [tensor layers])."""
-    global _dispatcher, _box
-    _dispatcher, _box = dispatch, box
-
-
 class GlobalTensor(torch.Tensor):
     """A logical tensor spread over a placement. ``.shape``/``.dtype`` are logical.
 
-    ``to_global``, ``to_local`` and the methods reading the logical value are
-    set by ``sbpflow.tensor`` (NOTE [tensor layers]).
+    Every ATen op on it goes to the class's dispatcher (NOTE [tensor layers]).
     """
 
     _local: torch.Tensor
     _meta: Meta  # (layout, shape, dtype) interned, for the dispatch fast path
-    to_global: Callable[..., GlobalTensor]
-    to_local: Callable[[], torch.Tensor]
+    _op_dispatcher: ClassVar[_dispatch.OpDispatcher] = _dispatch.OpDispatcher()
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -208,7 +188,67 @@ class GlobalTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        return _dispatcher(func, args, kwargs or {})
+        return cls._op_dispatcher.dispatch(func, args, kwargs or {})
+
+    # -- layout changes -----------------------------------------------------------------
+    def to_global(
+        self,
+        placement: Placement | None = None,
+        sbp: SbpParallel | Sequence[SbpParallel] | None = None,
+        *,
+        check_meta: bool = True,
+    ) -> GlobalTensor:
+        """Change the layout (boxing); the logical value stays the same. Differentiable.
+
+        ``placement`` or ``sbp`` left out keeps this tensor's; ``check_meta`` first makes
+        the ranks agree on what they box (NOTE [two ways to box] in boxing/_redistribute).
+        """
+        return _redistribute.to_global(self, placement, sbp, check_meta=check_meta)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's piece (empty on a rank outside the placement). Differentiable."""
+        return _ToLocal.apply(self)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``torch.Tensor.to``; a device move keeps the ranks and SBP (NOTE [device moves]
+        in _devices)."""
+        return _devices.to_method(self, *args, **kwargs)
+
+    def cuda(
+        self,
+        device: Any = None,
+        non_blocking: bool = False,
+        memory_format: torch.memory_format = torch.preserve_format,
+    ) -> GlobalTensor:
+        """As ``torch.Tensor.cuda``; the locals go to this rank's own cuda device."""
+        return _devices.cuda_method(self, device, non_blocking, memory_format)
+
+    # -- reading the logical value (collectives) ----------------------------------------
+    def tolist(self) -> Any:
+        """The logical value as nested lists, on every rank (a collective)."""
+        return _printing.logical_value(self, "tolist()").tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The logical value as a numpy array, on every rank (a collective)."""
+        if self.requires_grad and not force:
+            raise RuntimeError(
+                "Can't call numpy() on a global tensor that requires grad; "
+                "use t.detach().numpy() instead."
+            )
+        return _printing.logical_value(self, "numpy()").numpy(force=force)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return _printing.global_repr(self)
+
+    def __format__(self, spec: str) -> Any:
+        return _printing.global_format(self, spec)
+
+    # -- copying and pickling (NOTE [torch.save of global tensors] in _saving) -------------
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _saving.reduce_global(self, protocol)
+
+    def __copy__(self) -> GlobalTensor:
+        return _saving.copy_global(self)
 
     # -- tracing (NOTE [compiled global tensors] in sbpflow/_compiling.py) -------------
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
@@ -245,7 +285,7 @@ class GlobalTensor(torch.Tensor):
         layout = self._layout
         if not layout.has_partial:
             return self
-        return _box(self, layout.without_partial())
+        return _redistribute.box_below_autograd(self, layout.without_partial())
 
     def __coerce_same_metadata_as_tangent__(
         self, expected: Any, expected_type: type | None = None
@@ -256,7 +296,7 @@ class GlobalTensor(torch.Tensor):
         layout, shape, dtype = expected
         if tuple(self.shape) != shape or self.dtype != dtype:
             return None
-        return self if self._layout == layout else _box(self, layout)
+        return self if self._layout == layout else _redistribute.box_below_autograd(self, layout)
 
     # -- metadata ---------------------------------------------------------------------
     @property
@@ -336,6 +376,24 @@ class GlobalTensor(torch.Tensor):
     def requires_grad(self, requires_grad: bool) -> None:
         """``t.requires_grad = True`` does what ``t.requires_grad_()`` does."""
         self.requires_grad_(requires_grad)
+
+
+class _ToLocal(torch.autograd.Function):
+    """Forward: this rank's piece. Backward: local gradients read with the dual layout
+    (NOTE [gradient duals] in sbpflow/tensor.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: GlobalTensor) -> torch.Tensor:
+        ctx.layout = g._layout
+        ctx.shape = tuple(g.shape)
+        return g._local.view_as(g._local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> GlobalTensor:
+        layout: Layout = ctx.layout
+        return GlobalTensor(
+            grad.contiguous(), Layout(layout.placement, dual_sbp(layout.sbp)), ctx.shape
+        )
 
 
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad

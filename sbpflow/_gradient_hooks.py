@@ -27,15 +27,18 @@ must be summed (at the base) before they are reduced once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._global import GlobalTensor
+from . import _global
 from ._layout import Layout
 from ._propagation import GradientPlan
 from .boxing._redistribute import Redistribute
 from .comm import _functional
+
+if TYPE_CHECKING:
+    from ._global import GlobalTensor
 
 __all__ = ["apply_gradient_plan"]
 
@@ -61,7 +64,7 @@ def apply_gradient_plan(plan: GradientPlan, inputs: Sequence[Any]) -> None:
 def _may_hook(t: Any) -> bool:
     """A global non-leaf that requires grad and was not looked at yet."""
     return (
-        isinstance(t, GlobalTensor)
+        isinstance(t, _global.GlobalTensor)
         and t.requires_grad
         and t.grad_fn is not None
         and _GRADIENT_HOOK not in t.__dict__
@@ -72,7 +75,10 @@ def _return_gradient(t: GlobalTensor) -> None:
     t.__dict__[_GRADIENT_HOOK] = None  # looked at once
     if t._is_view():
         base = t._base
-        if isinstance(base, GlobalTensor) and base._layout.normalized() == t._layout.normalized():
+        if (
+            isinstance(base, _global.GlobalTensor)
+            and base._layout.normalized() == t._layout.normalized()
+        ):
             if _may_hook(base):
                 _return_gradient(base)
             return
@@ -87,7 +93,7 @@ def _boxing_to(target: Layout) -> Any:
     normalized = target.normalized()
 
     def box_gradient(grad: torch.Tensor) -> torch.Tensor | None:
-        if not isinstance(grad, GlobalTensor) or grad.placement != target.placement:
+        if not isinstance(grad, _global.GlobalTensor) or grad.placement != target.placement:
             return None
         if grad._layout.normalized() == normalized:
             return None
@@ -126,7 +132,7 @@ def _is_parameter(t: Any) -> bool:
     and ``to_global`` (``fully_shard`` gathers parameters so). Asked of the inputs an op
     uses split or partial: the weights of column- and row-parallel matmuls. The walk goes
     by backward nodes, not ``_base``: a torch.compile trace re-creates views."""
-    if not isinstance(t, GlobalTensor) or not t.requires_grad:
+    if not isinstance(t, _global.GlobalTensor) or not t.requires_grad:
         return False
     # In a trace AOTAutograd gives the compiled function's inputs (parameters among them) a
     # placeholder backward node named "Error".

@@ -120,6 +120,15 @@ def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
+def dual_sbp(sbp: NdSbp) -> NdSbp:
+    """The layout a gradient crosses the local/global boundary in (NOTE [gradient duals] in
+    sbpflow/tensor.py): split stays split, broadcast reads as partial sum and back."""
+    return tuple(
+        Partial("sum") if isinstance(s, Broadcast) else Broadcast() if isinstance(s, Partial) else s
+        for s in sbp
+    )
+
+
 def empty_local_shape(ndim: int) -> tuple[int, ...]:
     """Shape of the (empty) local tensor of a rank outside the placement."""
     return (0,) * max(ndim, 1)

@@ -14,19 +14,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _meta_check
 from ._bounded import BoundedDict
-from ._global import GlobalTensor
 from ._layout import Layout
 from .boxing._redistribute import box_below_autograd
 from .comm._world import get_world_size
 from .placement import Placement
 from .sbp import Broadcast, sbp_str
+
+if TYPE_CHECKING:
+    from ._global import GlobalTensor
 
 __all__ = ["global_format", "global_repr", "logical_value"]
 

@@ -53,8 +53,8 @@ import torch
 from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
 from torch.utils._pytree import tree_flatten
 
+from . import _global
 from ._compiling import compiling
-from ._global import GlobalTensor
 
 __all__ = [
     "RandomStream",
@@ -236,7 +236,7 @@ def draw_numel(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     plain tensors to broadcast globals.
     """
     for a in tree_flatten((list(args), kwargs))[0]:
-        if isinstance(a, torch.Tensor) and (a.dim() > 0 or isinstance(a, GlobalTensor)):
+        if isinstance(a, torch.Tensor) and (a.dim() > 0 or isinstance(a, _global.GlobalTensor)):
             return math.prod(a.shape)
     return 0
 

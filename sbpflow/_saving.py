@@ -30,16 +30,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._global import GlobalTensor, keep_grad_layout, wrap
+from . import _global
 from ._layout import Layout
 from .comm._world import get_rank
 from .sbp import Broadcast, Partial, sbp_str
 
-__all__ = ["copy_global", "install_torch_save_check", "reduce_global"]
+if TYPE_CHECKING:
+    from ._global import GlobalTensor
+
+__all__ = ["copy_global", "pickling_first", "reduce_global"]
 
 
 def _holds_whole_value(layout: Layout, rank: int) -> bool:
@@ -83,11 +87,11 @@ def _refusal(x: GlobalTensor, layout: Layout, rank: int) -> str:
 def copy_global(self: GlobalTensor) -> GlobalTensor:
     """``copy.copy``: a new global tensor sharing the piece, as ``copy.copy`` of a plain tensor
     shares its storage (pickling, which ``copy`` would use, writes plain values)."""
-    new = wrap(self._local, self._meta, self.requires_grad)
+    new = _global.wrap(self._local, self._meta, self.requires_grad)
     extra = {k: v for k, v in self.__dict__.items() if k not in ("_grad_layout_hook",)}
     new.__dict__.update(extra)
     if new.requires_grad and new.is_leaf:
-        keep_grad_layout(new)
+        _global.keep_grad_layout(new)
     return new
 
 
@@ -108,11 +112,11 @@ def _pickles_or_raises(obj: Any, pickle_module: Any, protocol: int) -> None:
     DryRun(_Discard(), protocol=protocol).dump(obj)
 
 
-def install_torch_save_check() -> None:
-    """Wrap ``torch.save`` so that it pickles first and writes nothing if that fails."""
-    torch_save = torch.save
+def pickling_first(torch_save: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch_save`` made to pickle first and write nothing if that fails (``import sbpflow``
+    puts it in place of ``torch.save``: NOTE [what import sbpflow adds to torch] in _install)."""
     if getattr(torch_save, "__wrapped_by_sbpflow__", False):
-        return
+        return torch_save
     signature = inspect.signature(torch_save)
 
     @functools.wraps(torch_save)
@@ -126,4 +130,4 @@ def install_torch_save_check() -> None:
         return torch_save(*args, **kwargs)
 
     save.__wrapped_by_sbpflow__ = True  # type: ignore[attr-defined]
-    torch.save = save
+    return save

@@ -20,146 +20,22 @@ from typing import Any, cast
 
 import torch
 
-from . import _devices, _dispatch, _meta_check, _saving, _step_context
-from ._bounded import BoundedDict
+from . import _meta_check
 from ._compiling import graph_break
-from ._global import GlobalTensor, as_global_grad, bind_dispatcher, is_global, keep_grad_layout
-from ._layout import Layout, empty_local_shape, logical_shape_from_locals
+from ._global import GlobalTensor, as_global_grad, is_global, keep_grad_layout
+from ._layout import Layout, dual_sbp, empty_local_shape, logical_shape_from_locals
 from ._lazy_bits import resolved
-from ._printing import global_format, global_repr, logical_value
 from .boxing import tracing as _trace
-from .boxing._redistribute import Redistribute, box_below_autograd
-from .comm import _groups, collectives
+from .comm import collectives
+from .comm._mesh import MESHES
 from .comm._world import device_for, get_rank, get_world_size
 from .placement import Placement
-from .sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, normalize, sbp_str
+from .sbp import Broadcast, NdSbp, SbpParallel, Split, normalize, sbp_str
 
 __all__ = ["GlobalTensor", "is_global", "keep_grad_layout", "to_global"]
 
 
-# -- global -> global (boxing) and global -> local: methods of GlobalTensor ----------
-
-
-def _to_global_method(
-    self: GlobalTensor,
-    placement: Placement | None = None,
-    sbp: SbpParallel | Sequence[SbpParallel] | None = None,
-    *,
-    check_meta: bool = True,
-) -> GlobalTensor:
-    """Change the layout (boxing); the logical value stays the same. Differentiable."""
-    if torch.compiler.is_compiling():
-        return _box_between_graphs(self, placement, sbp, check_meta=check_meta)
-    return _box(self, placement, sbp, check_meta=check_meta)
-
-
-@graph_break(
-    "sbpflow: to_global on a global tensor runs between graphs; the boxing the ops inside a "
-    "compiled function need is compiled into its graph."
-)
-def _box_between_graphs(
-    self: GlobalTensor,
-    placement: Placement | None,
-    sbp: SbpParallel | Sequence[SbpParallel] | None,
-    *,
-    check_meta: bool,
-) -> GlobalTensor:
-    return _box(self, placement, sbp, check_meta=check_meta)
-
-
-def _box(
-    self: GlobalTensor,
-    placement: Placement | None,
-    sbp: SbpParallel | Sequence[SbpParallel] | None,
-    *,
-    check_meta: bool,
-) -> GlobalTensor:
-    if placement is not None and not isinstance(placement, Placement):
-        raise TypeError(
-            f"placement must be an sbpflow.placement, got {type(placement).__name__}: "
-            f"{placement!r}. Build one with sbpflow.placement('cpu', ranks)."
-        )
-    if placement is None:
-        placement = self.placement
-    if sbp is None:
-        if placement.ndim != self.placement.ndim:
-            raise ValueError(
-                f"to_global(placement={placement}) changes the mesh from {self.placement.ndim} "
-                f"to {placement.ndim} axes, so the SBP cannot be kept; pass sbp= as well."
-            )
-        sbp = self.sbp
-    dst = Layout(placement, normalize(sbp, placement.ndim, self.ndim))
-    if check_meta:
-        _check_boxing_meta(self, dst)
-    if dst == self._layout:
-        return self
-    if placement.type != self.placement.type:
-        # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
-        # (a local copy, differentiable), then boxing between placements of one type.
-        moved = cast(GlobalTensor, self.to(placement.type))
-        return moved.to_global(placement, dst.sbp, check_meta=False)
-    return Redistribute.apply(self, dst)
-
-
-def _to_local_method(self: GlobalTensor) -> torch.Tensor:
-    """This rank's piece (empty on a rank outside the placement). Differentiable."""
-    return _ToLocal.apply(self)
-
-
-def _tolist(self: GlobalTensor) -> Any:
-    """The logical value as nested lists, on every rank (a collective)."""
-    return logical_value(self, "tolist()").tolist()
-
-
-def _numpy(self: GlobalTensor, *, force: bool = False) -> Any:
-    """The logical value as a numpy array, on every rank (a collective)."""
-    if self.requires_grad and not force:
-        raise RuntimeError(
-            "Can't call numpy() on a global tensor that requires grad; "
-            "use t.detach().numpy() instead."
-        )
-    return logical_value(self, "numpy()").numpy(force=force)
-
-
-def _repr(self: GlobalTensor, *, tensor_contents: Any = None) -> str:
-    return global_repr(self)
-
-
-def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
-    """Every rank must box the same (layout, shape, dtype) to the same destination."""
-    if _step_context.current.get() is not None:
-        return  # inside a pipelined step (NOTE [no agreement in a pipelined step])
-    key = (x._layout, dst, tuple(x.shape), x.dtype)
-    mine = _boxing_metas.get(key)
-    if mine is None:
-        mine = _meta_check.RankMeta(
-            error=None,
-            dtype=x.dtype,
-            shape=tuple(x.shape),
-            placement=f"{x.placement} -> {dst.placement}",
-            sbp=f"{sbp_str(x.sbp)} -> {sbp_str(dst.sbp)}",
-            in_placement=False,  # differs by rank and is not compared: keep vectors equal
-        )
-        _boxing_metas[key] = mine
-    _meta_check.agree(mine, "to_global (boxing)")
-
-
-# The encoded metadata of boxing calls seen before: a training loop repeats the
-# same conversions, and encoding (string hashing) costs more than the exchange.
-BOXING_METAS_BOUND = 1024
-_boxing_metas: BoundedDict[Any, _meta_check.RankMeta] = BoundedDict(
-    "boxing meta checks", BOXING_METAS_BOUND
-)
-
-
 # -- local -> global -----------------------------------------------------------------
-
-
-def _dual(sbp: NdSbp) -> NdSbp:
-    return tuple(
-        Partial("sum") if isinstance(s, Broadcast) else Broadcast() if isinstance(s, Partial) else s
-        for s in sbp
-    )
 
 
 class _FromLocal(torch.autograd.Function):
@@ -176,7 +52,7 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx: Any, grad: GlobalTensor) -> tuple[torch.Tensor, None, None]:
         grad = as_global_grad(grad, "to_global")
         layout = ctx.layout
-        dual = _dual(layout.sbp)
+        dual = dual_sbp(layout.sbp)
         boxed = cast(GlobalTensor, grad.detach()).to_global(
             layout.placement, dual, check_meta=False
         )
@@ -184,23 +60,6 @@ class _FromLocal(torch.autograd.Function):
         if get_rank() not in layout.placement:
             local = local.new_zeros(ctx.input_shape, device=ctx.input_device)
         return local, None, None
-
-
-class _ToLocal(torch.autograd.Function):
-    """Forward: this rank's piece. Backward: local gradients read with the dual layout."""
-
-    @staticmethod
-    def forward(ctx: Any, g: GlobalTensor) -> torch.Tensor:
-        ctx.layout = g._layout
-        ctx.shape = tuple(g.shape)
-        return g._local.view_as(g._local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> GlobalTensor:
-        layout: Layout = ctx.layout
-        return GlobalTensor(
-            grad.contiguous(), Layout(layout.placement, _dual(layout.sbp)), ctx.shape
-        )
 
 
 # NOTE [own storage]
@@ -228,8 +87,7 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     if rank in pl and all(isinstance(s, Broadcast) for s in layout.sbp):
         local = _own_storage(local)  # NOTE [own storage]
     if b_axes:
-        groups = pl.groups_along(b_axes)
-        found = _groups.group_of(pl.type, groups, rank)
+        found = MESHES.of(pl, "to_global").group(tuple(b_axes))
         if found is not None:
             ranks, _ = found
             # The head only sends (dist.broadcast leaves its buffer untouched).
@@ -321,6 +179,7 @@ def _from_local(
         raise ValueError(error)
     logical = tuple(shape) if shape is not None else tuple(x.shape)
     layout = Layout(placement, nd_sbp)
+    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
     return _FromLocal.apply(x, layout, logical)
 
 
@@ -343,7 +202,7 @@ def _validate_local_args(
 
 
 @graph_break(_LOCAL_TO_GLOBAL_BREAKS)
-def _tensor_to_global(
+def tensor_to_global(
     self: torch.Tensor,
     placement: Placement | None = None,
     sbp: SbpParallel | Sequence[SbpParallel] | None = None,
@@ -351,26 +210,8 @@ def _tensor_to_global(
     check_meta: bool = True,
     shape: Sequence[int] | None = None,
 ) -> GlobalTensor:
+    # ``torch.Tensor.to_global`` (NOTE [what import sbpflow adds to torch] in _install).
     return to_global(self, placement, sbp, check_meta=check_meta, shape=shape)
 
 
-_tensor_to_global.__doc__ = to_global.__doc__
-torch.Tensor.to_global = _tensor_to_global  # type: ignore[attr-defined]
-torch.Tensor.is_global = property(lambda self: False)  # type: ignore[attr-defined]
-
-# GlobalTensor's methods that box or read values (NOTE [tensor layers] in _global).
-for _name, _method in {
-    "to_global": _to_global_method,
-    "to_local": _to_local_method,
-    "tolist": _tolist,
-    "numpy": _numpy,
-    "to": _devices.to_method,
-    "cuda": _devices.cuda_method,
-    "__repr__": _repr,
-    "__format__": global_format,
-    "__reduce_ex__": _saving.reduce_global,  # NOTE [torch.save of global tensors]
-    "__copy__": _saving.copy_global,
-}.items():
-    setattr(GlobalTensor, _name, _method)
-bind_dispatcher(_dispatch.dispatch, box_below_autograd)
-_saving.install_torch_save_check()
+tensor_to_global.__doc__ = to_global.__doc__

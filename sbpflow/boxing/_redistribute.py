@@ -38,19 +38,115 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import _step_context
-from .._global import GlobalTensor, as_global_grad
+from .. import _global, _meta_check, _step_context
+from .._bounded import BoundedDict
+from .._compiling import graph_break
 from .._layout import Layout
+from ..comm._mesh import MESHES
 from ..comm._world import get_rank
+from ..placement import Placement
+from ..sbp import SbpParallel, normalize, sbp_str
 from . import executor
 from .planner import plan
 
-__all__ = ["Redistribute", "box_below_autograd"]
+if TYPE_CHECKING:
+    from .._global import GlobalTensor
+
+__all__ = ["Redistribute", "box_below_autograd", "to_global"]
+
+
+def to_global(
+    x: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
+    """``x.to_global(placement, sbp)``: boxing, differentiable (``GlobalTensor.to_global``)."""
+    if torch.compiler.is_compiling():
+        return _box_between_graphs(x, placement, sbp, check_meta=check_meta)
+    return _box(x, placement, sbp, check_meta=check_meta)
+
+
+@graph_break(
+    "sbpflow: to_global on a global tensor runs between graphs; the boxing the ops inside a "
+    "compiled function need is compiled into its graph."
+)
+def _box_between_graphs(
+    x: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
+    return _box(x, placement, sbp, check_meta=check_meta)
+
+
+def _box(
+    x: GlobalTensor,
+    placement: Placement | None,
+    sbp: SbpParallel | Sequence[SbpParallel] | None,
+    *,
+    check_meta: bool,
+) -> GlobalTensor:
+    if placement is not None and not isinstance(placement, Placement):
+        raise TypeError(
+            f"placement must be an sbpflow.placement, got {type(placement).__name__}: "
+            f"{placement!r}. Build one with sbpflow.placement('cpu', ranks)."
+        )
+    if placement is None:
+        placement = x.placement
+    if sbp is None:
+        if placement.ndim != x.placement.ndim:
+            raise ValueError(
+                f"to_global(placement={placement}) changes the mesh from {x.placement.ndim} "
+                f"to {placement.ndim} axes, so the SBP cannot be kept; pass sbp= as well."
+            )
+        sbp = x.sbp
+    dst = Layout(placement, normalize(sbp, placement.ndim, x.ndim))
+    if check_meta:
+        _check_boxing_meta(x, dst)
+    if dst == x._layout:
+        return x
+    if placement.type != x.placement.type:
+        # NOTE [device moves] in _devices: the same ranks and SBP on the other device type
+        # (a local copy, differentiable), then boxing between placements of one type.
+        moved = cast(_global.GlobalTensor, x.to(placement.type))
+        return moved.to_global(placement, dst.sbp, check_meta=False)
+    MESHES.of(placement, "to_global")  # its groups, made up front on every rank (NOTE [meshes])
+    return Redistribute.apply(x, dst)
+
+
+def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
+    """Every rank must box the same (layout, shape, dtype) to the same destination."""
+    if _step_context.current.get() is not None:
+        return  # inside a pipelined step (NOTE [no agreement in a pipelined step])
+    key = (x._layout, dst, tuple(x.shape), x.dtype)
+    mine = _boxing_metas.get(key)
+    if mine is None:
+        mine = _meta_check.RankMeta(
+            error=None,
+            dtype=x.dtype,
+            shape=tuple(x.shape),
+            placement=f"{x.placement} -> {dst.placement}",
+            sbp=f"{sbp_str(x.sbp)} -> {sbp_str(dst.sbp)}",
+            in_placement=False,  # differs by rank and is not compared: keep vectors equal
+        )
+        _boxing_metas[key] = mine
+    _meta_check.agree(mine, "to_global (boxing)")
+
+
+# The encoded metadata of boxing calls seen before: a training loop repeats the
+# same conversions, and encoding (string hashing) costs more than the exchange.
+BOXING_METAS_BOUND = 1024
+_boxing_metas: BoundedDict[Any, _meta_check.RankMeta] = BoundedDict(
+    "boxing meta checks", BOXING_METAS_BOUND
+)
 
 
 def box_below_autograd(
@@ -62,7 +158,7 @@ def box_below_autograd(
     """
     boxing_plan = plan(tuple(x.shape), x.dtype, x._layout, dst)
     local = executor.execute(boxing_plan, x._local, get_rank(), lane)
-    return GlobalTensor(local, dst, x.shape)
+    return _global.GlobalTensor(local, dst, x.shape)
 
 
 class Redistribute(torch.autograd.Function):
@@ -83,7 +179,7 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None, None]:
-        grad = as_global_grad(grad, "boxing")
+        grad = _global.as_global_grad(grad, "boxing")
         scope = _step_context.current.get() if ctx.dst is not None else None
         if scope is None:
             return Redistribute.apply(grad, ctx.src), None, None

@@ -12,7 +12,8 @@ from collections.abc import Hashable
 import torch
 
 from .._layout import Layout, box_shape, empty_local_shape, member_sizes, relative
-from ..comm import _functional, _groups, collectives
+from ..comm import _functional, collectives
+from ..comm._mesh import MESHES
 from ..sbp import Partial, Split
 from . import tracing as _trace
 from ._transfer import transfer_pieces
@@ -63,7 +64,7 @@ def _run_step(
     pl = src.placement
     # One group per combination of the other axes' coordinates; with several
     # axes (NOTE [merged axes] in planner.py) members are in row-major mesh order.
-    found = _groups.group_of(pl.type, pl.groups_along(step.axes), rank)
+    found = MESHES.of(pl, "boxing").group(step.axes)
     if found is None:
         return local, False
     group = found

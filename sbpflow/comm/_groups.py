@@ -1,4 +1,5 @@
-"""Process groups per set of ranks, created once and cached.
+"""Process groups per set of ranks, created once and cached (a placement's are made together by
+its ``Mesh``: NOTE [meshes] in _mesh.py).
 
 # NOTE [group creation order]
 # ``torch.distributed.new_group`` must be entered by every rank of the world,
@@ -10,9 +11,7 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import torch.distributed as dist
 
@@ -46,54 +45,13 @@ def group_of(
     return mine
 
 
-_prepared: set[Any] = set()
-
-
-def ensure_placement_groups(placement: Any, rank: int) -> None:
-    """Create, on every rank, the groups along every set of ``placement``'s axes.
-
-    Op rules may communicate inside their local computation, which ranks
-    outside the placement skip; creating the groups up front (a collective
-    over the whole world, see NOTE [group creation order]) keeps those ranks
-    from being missed when such a group is first needed.
-    """
-    if placement in _prepared:
-        return
-    for count in range(1, placement.ndim + 1):
-        for axes in itertools.combinations(range(placement.ndim), count):
-            group_of(placement.type, placement.groups_along(axes), rank)
-    _prepared.add(placement)
-
-
-_along: dict[tuple[Any, tuple[int, ...]], tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
-
-
-def group_along(
-    placement: Any, axes: tuple[int, ...], rank: int
-) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
-    """``rank``'s group along ``axes`` of ``placement`` (a member), looked up once.
-
-    For callers that run per step: they ask here each time instead of keeping
-    the handle, so that comm holds every group handle (NOTE [teardown]).
-    """
-    key = (placement, axes)
-    found = _along.get(key)
-    if found is None:
-        mine = group_of(placement.type, placement.groups_along(axes), rank)
-        assert mine is not None, f"rank {rank} is not in {placement}"
-        found = _along[key] = mine
-    return found
-
-
 _world_handles: dict[str, dist.ProcessGroup | None] = {}
 
 
 def _forget_groups() -> None:
     """Drop the cached groups so that they are freed now (NOTE [teardown])."""
     _groups.clear()
-    _along.clear()
     _world_handles.clear()
-    _prepared.clear()
 
 
 on_teardown(_forget_groups)

@@ -143,9 +143,11 @@ def _convert(entry: _Shared, t: torch.Tensor, placement: Placement, sbp: Any) ->
         raise type(error)(f"module.to_global: {kind} {entry.names[0]!r}: {error}") from error
 
 
-def _module_to_global(self: torch.nn.Module, placement: Placement, sbp: SbpSpec) -> torch.nn.Module:
+def module_to_global_method(
+    self: torch.nn.Module, placement: Placement, sbp: SbpSpec
+) -> torch.nn.Module:
+    # ``torch.nn.Module.to_global`` (NOTE [what import sbpflow adds to torch] in _install).
     return module_to_global(self, placement, sbp)
 
 
-_module_to_global.__doc__ = module_to_global.__doc__
-torch.nn.Module.to_global = _module_to_global  # type: ignore[attr-defined]
+module_to_global_method.__doc__ = module_to_global.__doc__

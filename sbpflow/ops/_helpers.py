@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path
 
-from .._global import GlobalTensor
+from .. import _global
 from .._layout import Layout, local_piece
 from ..boxing._redistribute import box_below_autograd
 from ..sbp import Broadcast, Partial, SbpParallel, Split
@@ -115,7 +115,9 @@ def box_to(local: torch.Tensor, layout: Layout, shape: Sequence[int], dst: Layou
     logical ``shape``) to ``dst``. Not differentiable: ``local`` functions run below autograd."""
     if layout == dst:
         return local
-    return box_below_autograd(GlobalTensor(local.contiguous(), layout, tuple(shape)), dst)._local
+    return box_below_autograd(
+        _global.GlobalTensor(local.contiguous(), layout, tuple(shape)), dst
+    )._local
 
 
 def gather_splits(layout: Layout) -> Layout:

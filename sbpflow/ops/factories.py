@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import _factories
-from .._global import GlobalTensor
+from .. import _factories, _global
 from ..sbp import Broadcast, SbpParallel, Split
 from ._registry import LocalContext, OpInfo, Strategy, bind, register, register_decomposition
 
@@ -72,7 +71,7 @@ def new(info: OpInfo) -> list[Strategy]:
 
 def _random_like(func: Any, args: tuple, kwargs: dict) -> Any:
     x = args[0]
-    if not isinstance(x, GlobalTensor):
+    if not isinstance(x, _global.GlobalTensor):
         return NotImplemented
     bound = bind(func, args, kwargs)
     make = _factories.rand if func.overloadpacket is aten.rand_like else _factories.randn

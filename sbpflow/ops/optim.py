@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._global import GlobalTensor
+from .. import _global
 from .._layout import Layout
 from ..boxing._redistribute import box_below_autograd
 from ..comm._world import get_world_size
@@ -111,12 +111,12 @@ def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
     """Unscale every gradient in place; found_inf becomes the max over every rank (NOTE [AMP
     found-inf])."""
     grads, found_inf, inv_scale = args
-    if isinstance(found_inf, GlobalTensor) or isinstance(inv_scale, GlobalTensor):
+    if isinstance(found_inf, _global.GlobalTensor) or isinstance(inv_scale, _global.GlobalTensor):
         raise NotImplementedError(
             f"{func} with a global found_inf/inv_scale; torch.amp.GradScaler keeps them as plain "
             "tensors, which is the supported use."
         )
-    locals_ = [g._local if isinstance(g, GlobalTensor) else g for g in grads]
+    locals_ = [g._local if isinstance(g, _global.GlobalTensor) else g for g in grads]
     local_flag = torch.zeros_like(found_inf)
     if locals_:
         func(locals_, local_flag, inv_scale)
@@ -126,5 +126,5 @@ def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
 def _max_over_world(flag: torch.Tensor) -> torch.Tensor:
     """All_reduce(max) of a 0-dim flag over every rank of the world (its group always exists)."""
     world = Placement(flag.device.type, list(range(get_world_size())))
-    partial = GlobalTensor(flag, Layout(world, (Partial("max"),)), ())
+    partial = _global.GlobalTensor(flag, Layout(world, (Partial("max"),)), ())
     return box_below_autograd(partial, Layout(world, (Broadcast(),)))._local.to(flag.device)

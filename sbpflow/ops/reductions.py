@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._global import GlobalTensor
+from .. import _global
 from .._layout import Layout
 from ..sbp import Broadcast, Partial, SbpParallel, Split
 from ._registry import LocalContext, OpInfo, Strategy, bind, register, register_decomposition
@@ -172,7 +172,7 @@ def vector_norm_rule(info: OpInfo) -> list[Strategy]:
 def vector_norm_over_split(func: Any, args: tuple, kwargs: dict) -> Any:
     """A finite p-norm over a split dim: ``(sum |x|^p)^(1/p)`` with one all_reduce of the sum."""
     x = args[0]
-    if not isinstance(x, GlobalTensor):
+    if not isinstance(x, _global.GlobalTensor):
         return NotImplemented
     ord_, dim, keepdim, dtype = _norm_args(func, args, kwargs)
     dims = reduced_dims(x.dim(), dim)

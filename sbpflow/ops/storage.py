@@ -36,15 +36,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .._global import GlobalTensor, meta_of
+from .. import _global
 from ..sbp import Broadcast, sbp_str
 from ._helpers import B, bind
 from ._registry import LocalContext, OpInfo, Strategy, register, register_decomposition
+
+if TYPE_CHECKING:
+    from .._global import GlobalTensor
 
 aten = torch.ops.aten
 
@@ -112,7 +115,7 @@ def _holds_its_storage(local: torch.Tensor, logical_strides: tuple[int, ...]) ->
 def check_storage(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Refuse a broadcast input that does not own its storage; the rules below do the rest."""
     x = args[0] if args else kwargs["self"]
-    if isinstance(x, GlobalTensor) and _holds_everything(x):
+    if isinstance(x, _global.GlobalTensor) and _holds_everything(x):
         _require_own_storage(func.overloadpacket.__name__, x)
     return NotImplemented
 
@@ -207,7 +210,7 @@ def resize(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _require_broadcast(op, x)
     _require_own_storage(op, x)
     x._local = x._local.resize_(size)  # keeps the first elements in memory order, as torch
-    x._meta = meta_of(x._layout, tuple(size), x.dtype)
+    x._meta = _global.meta_of(x._layout, tuple(size), x.dtype)
     _set_wrapper_meta(x, lambda w: aten.resize_.default(w, size))
     return x
 
@@ -222,7 +225,7 @@ def resize(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def set_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     source = args[1] if len(args) > 1 else kwargs.get("source")
-    if func is not aten.set_.source_Tensor or not isinstance(source, GlobalTensor):
+    if func is not aten.set_.source_Tensor or not isinstance(source, _global.GlobalTensor):
         raise ValueError(
             f"{func} on a global tensor: a global tensor has no storage of its own to point "
             "elsewhere (got source "

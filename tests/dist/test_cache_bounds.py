@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import _bounded, _dispatch, _global, _printing, tensor
-from sbpflow.boxing import _transfer, planner
+from sbpflow import _bounded, _decisions, _dispatch, _global, _printing
+from sbpflow.boxing import _redistribute, _transfer, planner
 from sbpflow.ops import views
 from sbpflow.sbp import broadcast, split
 from sbpflow.testing import DistributedPool
@@ -28,11 +28,10 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
     """Every cache keyed by shapes: name -> (entries now, bound). The one list of them."""
     bounded = [
         (_global._metas, _global.METAS_BOUND),
-        (tensor._boxing_metas, tensor.BOXING_METAS_BOUND),
+        (_redistribute._boxing_metas, _redistribute.BOXING_METAS_BOUND),
         (_printing._reading_metas, _printing.READING_METAS_BOUND),
-        (_dispatch._decisions, _dispatch.DECISIONS_BOUND),
-        (_dispatch._fast, _dispatch.FAST_BOUND),
-        (_dispatch._outside_structures, _dispatch.DECISIONS_BOUND),
+        (_global.GlobalTensor._op_dispatcher.propagator.decisions, _decisions.DECISIONS_BOUND),
+        (_global.GlobalTensor._op_dispatcher.fast, _dispatch.FAST_BOUND),
     ]
     sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
     # A BoundedDict added later must be listed here too, with its module's named bound.

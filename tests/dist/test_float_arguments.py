@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import _dispatch
+from sbpflow import GlobalTensor
 from sbpflow.ops import _registry
 from sbpflow.ops._registry import OpInfo, Strategy, register
 from sbpflow.sbp import broadcast, split
@@ -80,7 +80,8 @@ def _adam_with_changing_lr() -> list[Any]:
     x = data.to_global(placement, broadcast).to_global(sbp=split(0))
     optimizers = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (plain, model)]
     decided = 0
-    decide = _dispatch._decide
+    propagator = GlobalTensor._op_dispatcher.propagator
+    decide = propagator.decide
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         nonlocal decided
@@ -88,7 +89,7 @@ def _adam_with_changing_lr() -> list[Any]:
         return decide(*args, **kwargs)
 
     per_step = []
-    _dispatch._decide = counting
+    propagator.decide = counting  # type: ignore[method-assign]
     try:
         for step in range(5):
             before = decided
@@ -100,7 +101,7 @@ def _adam_with_changing_lr() -> list[Any]:
                 opt.step()
             per_step.append(decided - before)
     finally:
-        _dispatch._decide = decide
+        del propagator.decide  # the method again
     same = all(
         torch.allclose(g.to_global(sbp=broadcast).to_local(), p, atol=1e-5)
         for g, p in zip(model.parameters(), plain.parameters(), strict=True)

@@ -43,7 +43,8 @@ import torch
 
 from ..._global import GlobalTensor, bind_gradient_discovery
 from ..._meta_check import stable_hash
-from ...comm import _groups, collectives
+from ...comm import collectives
+from ...comm._mesh import MESHES
 from ...comm._world import get_rank
 from ...sbp import sbp_str
 from ._params import GlobalParam, data_axes
@@ -111,7 +112,7 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
     for (placement, axes), mine in groups.items():
         if rank not in placement:
             continue
-        found = _groups.group_of(placement.type, placement.groups_along(axes), rank)
+        found = MESHES.of(placement, "gradient buckets").group(axes)
         assert found is not None  # rank is in the placement
         ranks, handle = found
         if handle is None:

@@ -39,7 +39,8 @@ from ..._global import GlobalTensor, wrap
 from ..._layout import Layout
 from ...boxing import tracing as _trace
 from ...boxing._redistribute import box_below_autograd
-from ...comm import _groups, collectives
+from ...comm import collectives
+from ...comm._mesh import MESHES
 from ...placement import Placement
 from ...sbp import Partial
 from ._fsdp_param import DATA_AXIS, ShardedParam
@@ -86,9 +87,7 @@ class ParamGroup:
             offset += p.padded_numel
         self.row_numel = offset  # the parameters' part of a row; the flags follow
         if params and rank in placement:
-            self.group = _groups.group_of(
-                placement.type, placement.groups_along((DATA_AXIS,)), rank
-            )
+            self.group = MESHES.of(placement, "fully_shard").group((DATA_AXIS,))
             assert self.group is not None
             self.slots = collectives.group_slots(self.group[0])
         first = params[0].param._local if params else torch.empty(0)

@@ -123,7 +123,8 @@ import torch
 
 from ..._global import drop_grad_layout_hook, keep_grad_layout, register_grad_hook
 from ...boxing import tracing as _trace
-from ...comm import _groups, collectives
+from ...comm import collectives
+from ...comm._mesh import MESHES
 from ...comm._world import get_rank
 from ...placement import Placement
 from ...sbp import Broadcast
@@ -262,7 +263,7 @@ class GradientSync:
         for bucket in buckets:
             # Groups are made by every rank together (NOTE [group creation order]): now, not
             # in the middle of a backward pass that a rank outside the placement sits out.
-            _groups.ensure_placement_groups(bucket.placement, rank)
+            MESHES.of(bucket.placement, "gradient buckets")
         return buckets
 
     # -- during backward -------------------------------------------------------------
@@ -388,7 +389,8 @@ class GradientSync:
         if not axes:  # every gradient is already broadcast: nothing to reduce
             bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
             return
-        group = _groups.group_along(bucket.placement, axes, rank)  # NOTE [teardown] in comm
+        group = MESHES.of(bucket.placement, "gradient buckets").group(axes)  # NOTE [teardown]
+        assert group is not None, f"rank {rank} is not in {bucket.placement}"
         bucket.pending = collectives.all_reduce_async(flat, group, "sum")
         _trace.record(None, ["all_reduce"], [axes])
 

@@ -23,7 +23,7 @@ import torch
 
 from ..._global import GlobalTensor, keep_grad_layout, meta_of, wrap
 from ..._meta_check import stable_hash
-from ...comm import _groups
+from ...comm._mesh import MESHES
 from ...comm._meta import same_on_every_rank
 from ...comm._world import get_rank, get_world_size
 from ...placement import Placement
@@ -166,7 +166,7 @@ def fully_shard(
     placement = _resolve_placement(placement, entries)
     _check(entries, placement)
     rank = get_rank()
-    _groups.ensure_placement_groups(placement, rank)
+    MESHES.of(placement, "fully_shard")
     _agree(entries, placement)
     precision = _resolve_precision(mp_policy, entries)
     params = []
