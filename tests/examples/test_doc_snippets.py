@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +168,20 @@ def _run(group: list[Program], ranks: int, tmp: Path) -> dict[int, str]:
 
 
 def _run_programs(programs: list[Program], tmp: Path) -> dict[str, list[str]]:
-    """Run ``programs``, one launch per number of ranks; {page: why each failing one failed}."""
+    """Run ``programs``, one launch per number of ranks; {page: why each failing one failed}.
+
+    The launches for different numbers of ranks run at the same time: each has its own
+    directories and rendezvous port, and a launch of one rank (a plain process, mostly
+    compiling) leaves cores idle that the others use."""
     by_ranks: dict[int, list[Program]] = defaultdict(list)
     for program in programs:
         by_ranks[program.ranks].append(program)
+    groups = sorted(by_ranks.items())
+    with ThreadPoolExecutor(max_workers=max(1, len(groups))) as launches:
+        failures = list(launches.map(lambda item: _run(item[1], item[0], tmp), groups))
     result: dict[str, list[str]] = defaultdict(list)
-    for ranks, group in sorted(by_ranks.items()):
-        for index, why in sorted(_run(group, ranks, tmp).items()):
+    for (_, group), failed in zip(groups, failures, strict=True):
+        for index, why in sorted(failed.items()):
             result[group[index].page].append(why)
     return result
 
