@@ -49,6 +49,7 @@ __all__ = [
     "as_global_grad",
     "bind_gradient_discovery",
     "drop_grad_layout_hook",
+    "has_only_layout_hooks",
     "is_global",
     "keep_grad_layout",
     "meta_of",
@@ -538,6 +539,18 @@ def _after_accumulate(leaf: torch.Tensor) -> None:
             leaf.grad = grad.to_global(own.placement, own.sbp, check_meta=False)
     if _gradient_discovery is not None:
         _gradient_discovery(leaf)  # type: ignore[arg-type]
+
+
+def has_only_layout_hooks(leaf: GlobalTensor) -> bool:
+    """Whether ``leaf``'s gradient hooks are at most ``keep_grad_layout``'s and no
+    ``GradientSync`` reduces it: a gradient arriving in its own layout then only accumulates."""
+    pre = leaf._backward_hooks or {}
+    post = leaf._post_accumulate_grad_hooks or {}
+    return (
+        leaf.__dict__.get("_grad_sync") is None
+        and all(hook is _to_own_layout for hook in pre.values())
+        and all(hook is _after_accumulate for hook in post.values())
+    )
 
 
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:

@@ -250,8 +250,10 @@ orange; time in ms):
 stages on rank 0 with the same accumulation. The variants run interleaved (each repetition
 runs each once, the order rotating); a step starts after a barrier and its time is the slowest
 rank's; medians over the repetitions. Host CPU per action: the main thread's CPU time in each
-forward and backward action (sbpflow: the runtime's compute actions; torch:
-`forward_one_chunk` / `backward_one_chunk`), mean over the actions, per rank.
+forward and backward action (sbpflow: the runtime's compute actions, which include receiving
+the stage's input, the loss and posting the sends; torch: `forward_one_chunk` /
+`backward_one_chunk`, its schedule receiving, sending and computing the loss outside them),
+mean over the actions, per rank.
 
 {out["real"]}
 

@@ -19,6 +19,23 @@
 # logical state, NOTE [logical random state] in sbpflow/_rng.py), and every global tensor
 # it read, held or returned has the whole logical tensor as its piece on this rank. A stage
 # compiled with ``enable_compile`` runs its compiled forward instead.
+#
+# NOTE [parameter pieces are leaves]
+# A parameter's piece enters the stage as a leaf of its own (a detached view of the
+# parameter's storage), not through ``_ToPiece``: the autograd engine runs a leaf's
+# AccumulateGrad as soon as its gradient is ready, but runs ready nodes in order of creation,
+# latest first, so the ``_ToPiece`` nodes of a stage's parameters (made before any of the
+# stage's ops) ran only after the whole stage's backward. Every weight gradient of the stage
+# was then alive at once (16 MB for 4 x Linear(1024, 1024)), freed together at the end, and
+# the C allocator handed that memory back to the system and faulted it in again on the next
+# micro-batch: a fifth more CPU time per backward than plain torch. A hook after the piece's
+# accumulation moves its gradient into the parameter's ``.grad`` as AccumulateGrad would (the
+# first one taken as it is, the later ones added in place, out of place under
+# ``create_graph``), on the pieces, with no dispatch. A parameter with other gradient hooks
+# than ``keep_grad_layout``'s (a user's, a ``GradientSync``'s) keeps ``_ToPiece`` and runs
+# them. The pieces of a micro-batch are noted on it, so a ``backward(inputs=...)`` naming a
+# parameter also names its pieces (``run_backward``), as does the input half of a split
+# backward for a parameter that crossed a placement (a tied weight: NOTE [split backward]).
 """
 
 from __future__ import annotations
@@ -31,13 +48,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .... import _rng
-from ...._global import GlobalTensor, meta_of, wrap
+from .... import _rng, _step_context
+from ...._global import GlobalTensor, has_only_layout_hooks, meta_of, wrap
 from ...._layout import Layout
 from ....boxing._redistribute import box_below_autograd
 from ....comm._errors import communications_entered
 from ....sbp import Broadcast
 from ._held_elsewhere import CONSTANTS, call_key
+from ._scope import Scope
 from ._stages import Stage
 
 __all__ = ["HeldHere"]
@@ -166,9 +184,9 @@ def _run_on_pieces(
         for x in flat
     ]
     args, kwargs = tree_unflatten(pieces, spec)
-    swapped = [
-        (sub, name, _ToPiece.apply(p) if p.requires_grad else p._local) for sub, name, p in params
-    ]
+    scope = _step_context.current.get()
+    noted = scope.mb.pieces if isinstance(scope, Scope) else None
+    swapped = [(sub, name, _parameter_piece(p, noted)) for sub, name, p in params]
     swapped += [(sub, name, b._local) for sub, name, b in buffers]
     try:
         for sub, name, piece in swapped:
@@ -185,6 +203,50 @@ def _run_on_pieces(
         for y, layout in zip(leaves, outputs.layouts, strict=True)
     ]
     return tree_unflatten(made, out_spec)
+
+
+def _parameter_piece(
+    p: GlobalTensor, noted: list[tuple[GlobalTensor, torch.Tensor]] | None
+) -> torch.Tensor:
+    """The piece a stage computes with in place of ``p`` (NOTE [parameter pieces are leaves])."""
+    if not p.requires_grad:
+        return p._local
+    if noted is None or not has_only_layout_hooks(p):
+        return _ToPiece.apply(p)
+    piece = p._local.detach().requires_grad_()
+    piece.register_post_accumulate_grad_hook(_IntoParameter(p))
+    noted.append((p, piece))
+    return piece
+
+
+class _IntoParameter:
+    """Post-accumulate-grad hook of a parameter's piece: its gradient into the parameter's
+    ``.grad``, as AccumulateGrad would have put it (NOTE [parameter pieces are leaves])."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: GlobalTensor) -> None:
+        self.param = param
+
+    def __call__(self, piece: torch.Tensor) -> None:
+        grad, piece.grad = piece.grad, None
+        if grad is None:
+            return
+        param = self.param
+        layout = param._meta.layout
+        total = param.grad
+        in_place = not torch.is_grad_enabled()  # else create_graph: added out of place
+        if in_place and isinstance(total, GlobalTensor) and total._meta.layout == layout:
+            total._local.add_(grad)
+            return
+        strides = None if grad.is_contiguous() else tuple(grad.stride())
+        wrapped = wrap(grad, meta_of(layout, tuple(grad.shape), grad.dtype, strides))
+        if total is None:
+            param.grad = wrapped
+        elif in_place:
+            total.add_(wrapped)
+        else:
+            param.grad = total + wrapped
 
 
 def _whole_here(layout: Layout, rank: int) -> bool:

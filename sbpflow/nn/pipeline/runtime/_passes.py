@@ -5,7 +5,7 @@ NOTE [deferred backward] and [split backward] in _scope.py say what each compute
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,9 +34,21 @@ def run_forward(scope: Scope, build: Build) -> None:
         )
 
 
-def run_backward(backwards: Sequence[Backward]) -> None:
-    for bw in backwards:
-        torch.Tensor.backward(bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph, bw.inputs)
+def run_backward(mb: MicroBatch) -> None:
+    """The micro-batch's recorded backward calls, run whole."""
+    for bw in mb.backwards:
+        inputs = _with_pieces(bw.inputs, mb) if bw.inputs is not None else None
+        torch.Tensor.backward(bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph, inputs)
+
+
+def _with_pieces(inputs: Any, mb: MicroBatch) -> list[torch.Tensor]:
+    """``backward``'s ``inputs`` with the pieces of each parameter a stage computed with on
+    its piece added (NOTE [parameter pieces are leaves] in _held_here.py)."""
+    given = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for param, piece in mb.pieces:
+        pieces.setdefault(id(param), []).append(piece)
+    return [each for t in given for each in (t, *pieces.get(id(t), ()))]
 
 
 def run_input_gradients(mb: MicroBatch) -> None:
@@ -47,7 +59,7 @@ def run_input_gradients(mb: MicroBatch) -> None:
         return
     torch.autograd.grad(
         [bw.tensor for bw in mb.backwards],
-        mb.crossed,
+        _with_pieces(mb.crossed, mb),  # a crossed parameter's gradient inside its stage too
         [bw.gradient for bw in mb.backwards],
         retain_graph=True,
         allow_unused=True,

@@ -103,11 +103,15 @@ class MicroBatch:
         self.output: Any = None
         self.backwards: list[Backward] = []
         self.crossed: list[GlobalTensor] = []  # inputs of changes of placement, needing grad
+        # (parameter, its piece) for each parameter a stage computed with on its piece
+        # (NOTE [parameter pieces are leaves] in _held_here.py)
+        self.pieces: list[tuple[GlobalTensor, torch.Tensor]] = []
 
     def release(self) -> None:
         """Drop the references to the micro-batch's graph (its backward is done)."""
         self.backwards = []
         self.crossed = []
+        self.pieces = []
 
 
 class Driver(Protocol):

@@ -105,7 +105,7 @@ def run_action(action: Action, scope: Scope, build: Build) -> None:
             run_forward(scope, build)
         elif kind is ActionKind.BACKWARD:
             scope.phase = Phase.BACKWARD
-            run_backward(mb.backwards)
+            run_backward(mb)
             mb.release()
         elif kind is ActionKind.BACKWARD_INPUT:
             scope.phase = Phase.INPUT

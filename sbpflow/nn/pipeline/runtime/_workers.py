@@ -234,7 +234,7 @@ def run_on_workers(
             run_input_gradients(mb)
         else:
             scope.phase = Phase.BACKWARD
-            run_backward(mb.backwards)
+            run_backward(mb)
             mb.release()
         scope.phase = Phase.IDLE
 

@@ -1,0 +1,177 @@
+"""Gradients of the parameters of a stage that runs on its pieces (NOTE [parameter pieces are
+leaves] in sbpflow/nn/pipeline/runtime/_held_here.py).
+
+2 stages on 2 gloo ranks through ``sbpflow.nn.Graph``, 4 micro-batches, against the same
+model trained in this process with the same accumulation:
+
+- each weight's gradient is in the parameter's ``.grad`` as soon as the stage's backward
+  has computed it: a probe at the last stage's input sees every parameter of the stage with
+  a gradient in the first micro-batch's backward (as in plain torch, where AccumulateGrad
+  runs as soon as its gradient is ready);
+- ``loss.backward(inputs=...)`` naming some parameters of the last stage trains exactly
+  those, as the single-process ``backward(inputs=...)`` does;
+- a gradient hook a user put on a parameter runs, as in the single process.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from sbpflow.sbp import Broadcast
+from sbpflow.testing import get_pool
+
+B = Broadcast()
+_M, _TOL, _STEPS = 4, 1e-5, 2
+
+
+class _SeenAtInput(torch.autograd.Function):
+    """Identity; in backward, notes which of ``stage.watched`` have a ``.grad`` by then."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stage: ProbedStage) -> torch.Tensor:
+        ctx.stage = stage
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.stage.seen.append([p.grad is not None for p in ctx.stage.watched])
+        return grad, None
+
+
+class ProbedStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.watched: list[torch.Tensor] = []  # the global parameters, set after to_global
+        self.seen: list[list[bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            x = _SeenAtInput.apply(x, self)
+        return self.layers(x)
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([ProbedStage(), ProbedStage()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def _inputs(model: Chain) -> list[torch.Tensor]:
+    """The parameters ``backward(inputs=...)`` names: the last stage's first linear."""
+    return list(model.stages[1].layers[0].parameters())
+
+
+class TrainGraph(sbpflow.nn.Graph):
+    def __init__(self, model: Chain, placements: list[Any], some_inputs: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.some_inputs = some_inputs
+        for s, placement in enumerate(placements):
+            self.model.stages[s].config.set_stage(s, placement)
+        self.config.set_gradient_accumulation_steps(_M)
+        self.config.set_pipeline_schedule("1f1b")
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward(inputs=_inputs(self.model.origin) if self.some_inputs else None)
+        return loss
+
+
+def _double(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 2
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(_STEPS)
+    ]
+
+
+def _reference(model: Chain, some_inputs: bool) -> list[torch.Tensor]:
+    """The same training in this process: micro-batch gradients summed, divided by _M."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches():
+        for xm, ym in zip(x.chunk(_M), y.chunk(_M), strict=True):
+            F.mse_loss(model(xm), ym).backward(inputs=_inputs(model) if some_inputs else None)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= _M
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def train_job(case: str) -> dict[str, Any]:
+    """Train ``_STEPS`` steps; the parameters (gathered) against the reference's, and what the
+    probe at the last stage's input saw in the first micro-batch's backward."""
+    placements = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    everyone = sbpflow.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = Chain()
+    reference = copy.deepcopy(model)
+    for stage, placement in zip(model.stages, placements, strict=True):
+        stage.to_global(placement, B)
+        stage.watched = list(stage.parameters())
+    if case == "hook":
+        for m in (model, reference):
+            for stage in m.stages:
+                stage.layers[0].weight.register_hook(_double)
+    graph = TrainGraph(model, placements, some_inputs=case == "inputs")
+    for x, y in _batches():
+        graph(x.to_global(placements[0], B), y.to_global(placements[1], B))
+    want = _reference(reference, some_inputs=case == "inputs")
+    errors = [
+        (p.detach().to_global(everyone, B).to_local() - r).abs().max().item()
+        for p, r in zip(model.parameters(), want, strict=True)
+    ]
+    moved = [
+        (p.detach().to_global(everyone, B).to_local() - r).abs().max().item()
+        for p, r in zip(model.parameters(), _initial_parameters(), strict=True)
+    ]
+    return {"errors": errors, "moved": moved, "seen": model.stages[1].seen}
+
+
+def _initial_parameters() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [p.detach() for p in Chain().parameters()]
+
+
+@pytest.mark.parametrize("case", ["all", "inputs", "hook"])
+def test_piece_gradients_train_like_one_process(case: str) -> None:
+    """Parameters equal the single-process reference within 1e-5 after 2 steps; with
+    ``backward(inputs=...)`` exactly the named parameters moved."""
+    model = Chain()
+    named = {id(p) for p in _inputs(model)}
+    trained = [id(p) in named for p in model.parameters()]
+    for rank, got in enumerate(get_pool(2).run(train_job, case)):
+        assert max(got["errors"]) <= _TOL, (case, rank, got["errors"])
+        if case == "inputs":
+            assert [m > 0 for m in got["moved"]] == trained, (rank, got["moved"])
+        else:
+            assert all(m > 0 for m in got["moved"]), (case, rank, got["moved"])
+
+
+def test_weight_gradients_reach_grad_as_soon_as_computed() -> None:
+    """On the rank holding the last stage, the probe at the stage's input runs after every
+    layer's backward of micro-batch 0: each parameter of the stage already has its ``.grad``,
+    as in plain torch (the first micro-batch of each step starts with no gradients)."""
+    got = get_pool(2).run(train_job, "all")[1]
+    first_of_each_step = got["seen"][::_M]
+    assert len(got["seen"]) == _STEPS * _M, got["seen"]
+    for seen in first_of_each_step:
+        assert seen and all(seen), got["seen"]
