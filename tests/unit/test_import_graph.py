@@ -23,6 +23,8 @@ import networkx as nx
 
 import sbpflow
 
+from ._packages import write_package
+
 PACKAGE = Path(sbpflow.__file__).resolve().parent
 
 
@@ -143,16 +145,19 @@ def test_the_class_module_is_imported_first() -> None:
 
 def test_a_function_level_import_cycle_is_found(tmp_path: Path) -> None:
     """The checker sees imports inside functions and skips TYPE_CHECKING blocks."""
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("from .a import f\n")
-    (package / "a.py").write_text("def f():\n    from .b import g\n    return g()\n")
-    (package / "b.py").write_text(
-        "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from .c import h\n"
-        "def g():\n    from . import a\n    return 1\n"
+    package = write_package(
+        tmp_path,
+        {
+            "__init__": "from .a import f\n",
+            "a": "def f():\n    from .b import g\n    return g()\n",
+            "b": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from .c import h\n"
+                "def g():\n    from . import a\n    return 1\n"
+            ),
+            "c": "from .b import g\n",
+        },
     )
-    (package / "c.py").write_text("from .b import g\n")
     graph = import_graph(package)
     assert sorted(map(sorted, nx.simple_cycles(graph))) == [["pkg.a", "pkg.b"]]
     assert not graph.has_edge("pkg.b", "pkg.c")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import sbpflow
 
+from ._packages import write_package
+
 PACKAGE = Path(sbpflow.__file__).resolve().parent
 
 # The one documented place (NOTE [what import sbpflow adds to torch] in sbpflow/_install.py).
@@ -147,34 +149,36 @@ def test_the_documented_place_is_the_one_that_adds_to_torch() -> None:
 def test_a_bad_module_is_found(tmp_path: Path) -> None:
     """The checker catches each way of reaching into another module, at any depth, and leaves
     a module's own objects alone."""
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("class A:\n    pass\nflag = 0\n")
-    (package / "bad.py").write_text(
-        "import torch\n"
-        "from . import a\n"
-        "from .a import A\n"
-        "torch.Tensor.shout = lambda self: 1\n"  # 4
-        "def later():\n"
-        "    a.flag = 1\n"  # 6
-        "    setattr(A, 'm', None)\n"  # 7
-        "    A.n += 1\n"  # 8
-        "    del torch.nn.Module.to\n"  # 9
-        "    vars(a)['flag'] = 2\n"  # 10
-        "    A.__dict__['x'] = 3\n"  # 11
-        "    object.__setattr__(A, 'y', 4)\n"  # 12
-    )
-    (package / "good.py").write_text(
-        "from .a import A\n"
-        "class B:\n    pass\n"
-        "setattr(B, 'm', None)\n"
-        "B.n = 1\n"
-        "def f(x):\n"
-        "    x.attr = 1\n"
-        "    b = A()\n"
-        "    b.attr = 2\n"
-        "    return x\n"
+    package = write_package(
+        tmp_path,
+        {
+            "a": "class A:\n    pass\nflag = 0\n",
+            "bad": (
+                "import torch\n"
+                "from . import a\n"
+                "from .a import A\n"
+                "torch.Tensor.shout = lambda self: 1\n"  # 4
+                "def later():\n"
+                "    a.flag = 1\n"  # 6
+                "    setattr(A, 'm', None)\n"  # 7
+                "    A.n += 1\n"  # 8
+                "    del torch.nn.Module.to\n"  # 9
+                "    vars(a)['flag'] = 2\n"  # 10
+                "    A.__dict__['x'] = 3\n"  # 11
+                "    object.__setattr__(A, 'y', 4)\n"  # 12
+            ),
+            "good": (
+                "from .a import A\n"
+                "class B:\n    pass\n"
+                "setattr(B, 'm', None)\n"
+                "B.n = 1\n"
+                "def f(x):\n"
+                "    x.attr = 1\n"
+                "    b = A()\n"
+                "    b.attr = 2\n"
+                "    return x\n"
+            ),
+        },
     )
     found = reaching_writes(package)
     assert [f.split(":")[:2] for f in found] == [
