@@ -222,6 +222,16 @@ def call_key(state: Any, flat: list[Any], spec: Any, rank: int, held: bool = Fal
     return key
 
 
+def run_watched(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, bool, int]:
+    """``forward(*args, **kwargs)``, whether it entered a communication, and how many random
+    draws it made: what decides whether a stage's first run can stand for the next ones."""
+    entered, (_, start) = communications_entered(), _rng.position()
+    out = forward(*args, **kwargs)
+    return out, communications_entered() != entered, _rng.position()[1] - start
+
+
 def _record(
     forward: Callable[..., Any],
     args: tuple[Any, ...],
@@ -230,10 +240,8 @@ def _record(
     rank: int,
 ) -> tuple[Any, _Outputs | None]:
     """Run the stage here (its ops skipped on empty pieces) and note what it returned."""
-    entered, (_, start) = communications_entered(), _rng.position()
-    out = forward(*args, **kwargs)
-    draws = _rng.position()[1] - start
-    if communications_entered() != entered:
+    out, communicated, draws = run_watched(forward, args, kwargs)
+    if communicated:
         return out, None  # this rank takes part in the stage: it runs here every time
     flat, spec = tree_flatten(out)
     leaves: list[Any] = []

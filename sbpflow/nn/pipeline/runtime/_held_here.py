@@ -48,13 +48,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .... import _rng, _step_context
+from .... import _step_context
 from ...._global import GlobalTensor, has_only_layout_hooks, meta_of, wrap
 from ...._layout import Layout
 from ....boxing._redistribute import box_below_autograd
-from ....comm._errors import communications_entered
 from ....sbp import Broadcast
-from ._held_elsewhere import CONSTANTS, call_key
+from ._held_elsewhere import CONSTANTS, call_key, run_watched
 from ._scope import Scope
 from ._stages import Stage
 
@@ -271,9 +270,8 @@ def _record(
     rank: int,
 ) -> tuple[Any, _Outputs | None]:
     """Run the stage through the dispatcher and decide whether it may run on its pieces."""
-    entered, (_, start) = communications_entered(), _rng.position()
-    out = forward(*args, **kwargs)
-    if communications_entered() != entered or _rng.position()[1] != start:
+    out, communicated, draws = run_watched(forward, args, kwargs)
+    if communicated or draws:
         return out, None
     for x in flat_inputs:
         if isinstance(x, GlobalTensor) and not _whole_here(x._meta.layout, rank):
