@@ -61,18 +61,32 @@ class ProbedStage(nn.Module):
 
 
 class Chain(nn.Module):
-    def __init__(self) -> None:
+    """Two probed stages; ``tied``: the output times the first stage's first weight again."""
+
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.stages = nn.ModuleList([ProbedStage(), ProbedStage()])
+        self.tied = tied
+        self.tied_to: sbpflow.Placement | None = None  # the last stage's, once global
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
             x = stage(x)
+        if self.tied:
+            w = self.stages[0].layers[0].weight
+            x = x @ (w if self.tied_to is None else w.to_global(self.tied_to, B))
         return x
 
 
 # What ``backward(inputs=...)`` names in each case: the first linear of these stages.
-NAMED_STAGES = {"inputs": (1,), "inputs first stage": (0,), "inputs both stages": (0, 1)}
+# "tied": the first stage's first weight is used again by the last stage.
+NAMED_STAGES = {
+    "inputs": (1,),
+    "inputs first stage": (0,),
+    "inputs both stages": (0, 1),
+    "inputs, tied": (1,),
+    "inputs first stage, tied": (0,),
+}
 
 
 def _inputs(model: Chain, case: str) -> list[torch.Tensor] | None:
@@ -130,11 +144,13 @@ def train_job(case: str) -> dict[str, Any]:
     placements = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
     everyone = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain(tied="tied" in case)
     reference = copy.deepcopy(model)
     for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, B)
         stage.watched = list(stage.parameters())
+    if model.tied:
+        model.tied_to = placements[1]
     if case == "hook":
         for m in (model, reference):
             for stage in m.stages:

@@ -55,10 +55,14 @@ def run_backward(mb: MicroBatch) -> None:
 # messages of the full backward in its order, and the named tensors get exactly
 # the gradients they get in one process. Autograd accumulates a named tensor's
 # gradient into its ``.grad``; the crossed tensors' ``.grad`` are put back as
-# they were, so only what the user named changes.
+# they were, so only what the user named changes. A crossed leaf (a tied weight
+# used on another stage) is left out on every rank: only its own gradient lies
+# beyond that crossing, and naming it would run its gradient hooks.
 def _backward_into(bw: Backward, mb: MicroBatch) -> None:
     named = _as_list(bw.inputs)
-    crossed = [t for t in mb.crossed if not any(t is n for n in named)]
+    # A leaf that crossed (a tied weight moved to another stage) ends its own path: left out
+    # on every rank alike, so no rank runs that crossing's backward unless it is named.
+    crossed = [t for t in mb.crossed if t.grad_fn is not None and not any(t is n for n in named)]
     with warnings.catch_warnings():  # reading a non-leaf tensor's .grad warns
         warnings.simplefilter("ignore", UserWarning)
         before = [t.grad for t in crossed]
