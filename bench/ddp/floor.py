@@ -105,7 +105,7 @@ def main() -> None:
     if args.one_run:
         print(json.dumps(one_run(args.reps)))
         return
-    rows = []
+    rows, floor_ratios, sbp_ratios = [], [], []
     for run in range(args.runs):
         out = (
             subprocess.run(
@@ -119,6 +119,8 @@ def main() -> None:
         )
         medians = json.loads(out)
         plain = medians["plain"]
+        floor_ratios.append(medians["floor"] / plain)
+        sbp_ratios.append(medians["sbpflow"] / medians["floor"])
         rows.append(
             f"| {run + 1} | {plain:.1f} | {medians['floor']:.1f} | {medians['sbpflow']:.1f} | "
             f"{medians['floor'] / plain:.3f} | {medians['sbpflow'] / plain:.3f} | "
@@ -132,8 +134,13 @@ def main() -> None:
             *rows,
         ]
     )
+    summary = (
+        f"Median of the runs: floor / plain {statistics.median(floor_ratios):.3f}, "
+        f"sbpflow / floor {statistics.median(sbp_ratios):.3f}."
+    )
     print(machine())
     print(table)
+    print(summary)
     if args.out is not None:
         text = f"""{SECTION_START}
 ### Data parallelism: what a Python tensor subclass costs by itself
@@ -147,6 +154,13 @@ the op, wrap, nothing else) and as **sbpflow** global tensors on a one-rank plac
 step time over {args.reps} steps per form, {args.runs} fresh processes:
 
 {table}
+
+{summary} A tensor subclass that does nothing but unwrap and wrap already adds
+floor / plain - 1 to this model's step, because every op of the step (the forward's, the
+backward formulas', the optimizer's) enters Python; torch DDP computes at plain speed, its
+reduction in C++. So no eager global tensor built on a Python subclass reaches torch DDP's
+step on this model; `torch.compile` of the global model traces the dispatch away (the
+compiled row above).
 {SECTION_END}"""
         write_section(args.out, text, SECTION_START, SECTION_END)
         print(f"wrote {args.out}")
