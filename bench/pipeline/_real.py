@@ -15,7 +15,9 @@ runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the 
 Part 3, 4 ranks: the same stages as a 2-stage pipeline (ranks 0 and 1) and as a 4-stage one
 (ranks 0-3), interleaved in one run: host CPU per forward and per backward action on each
 rank holding a stage. Stage-local execution makes it the same: a rank runs its own stage and
-stand-ins for the others.
+stand-ins for the others. Both load the machine alike: "2 stages" is two 2-stage pipelines
+at once, ranks 0-1 and ranks 2-3, so four ranks compute and send at once in both, and a
+thread's CPU time per action is compared under the same contention for the cores and caches.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 import sbpflow
 from bench._ranks import join_world
 from bench.pipeline._timed import Chain, StepGraph
+from sbpflow.comm import collectives
 from sbpflow.nn.pipeline import StepRecord
 from sbpflow.nn.pipeline.runtime import _step
 from sbpflow.sbp import broadcast
@@ -50,27 +53,58 @@ def stage_module(seed: int) -> nn.Sequential:
 
 
 class _ActionCpu:
-    """Thread CPU time per compute action kind ("F", "B") of this rank, accumulated."""
+    """Thread CPU time per compute action kind ("F", "B") of this rank, accumulated; with
+    ``transfers`` (part 3), also the part of each action spent moving tensors between stages."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, list[float]] = {"F": [], "B": []}
+    def __init__(self, transfers: _TransferCpu | None = None) -> None:
+        self.transfers = transfers
+        self.seconds: dict[str, list[float]] = {"F": [], "B": [], "F moves": [], "B moves": []}
 
     def clear(self) -> None:
-        self.seconds = {"F": [], "B": []}
+        self.seconds = {"F": [], "B": [], "F moves": [], "B moves": []}
 
     def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.thread_time()
+            moved = self.transfers.seconds if self.transfers is not None else 0.0
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[kind].append(time.thread_time() - start)
+                if self.transfers is not None:
+                    self.seconds[f"{kind} moves"].append(self.transfers.seconds - moved)
 
         return run
 
 
-def _sbp_graph(schedule: str, num_stages: int) -> tuple[Any, tuple[Any, Any]]:
-    placements = [sbpflow.placement("cpu", [r]) for r in range(num_stages)]
+class _TransferCpu:
+    """The thread CPU time this rank spends in ``collectives.exchange`` (the stage-to-stage
+    transfers: posting the sends, copying them, receiving), accumulated."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self) -> Callable[[], None]:
+        original = collectives.exchange
+
+        def exchange(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        collectives.exchange = exchange  # type: ignore[assignment]
+
+        def undo() -> None:
+            collectives.exchange = original  # type: ignore[assignment]
+
+        return undo
+
+
+def _sbp_graph(schedule: str, num_stages: int, first_rank: int = 0) -> tuple[Any, tuple[Any, Any]]:
+    """The pipeline of ``num_stages`` stages, one per rank from ``first_rank`` on, and its batch."""
+    placements = [sbpflow.placement("cpu", [first_rank + r]) for r in range(num_stages)]
     model = Chain([stage_module(s) for s in range(num_stages)])
     for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, broadcast)
@@ -142,7 +176,8 @@ def _interleaved(
     """Each repetition runs every step once, in an order rotating by one; warmup dropped."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
-    per_action: dict[str, dict[str, list[float]]] = {n: {"F": [], "B": []} for n in names}
+    kinds = ("F", "B", "F moves", "B moves")
+    per_action: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in names}
     for rep in range(2 + reps):
         for i in range(len(names)):
             name = names[(rep + i) % len(names)]
@@ -157,13 +192,19 @@ def _interleaved(
             if rep >= 2:
                 times[name].append(elapsed.item())
                 if cpu is not None:
-                    for kind in ("F", "B"):
+                    for kind in kinds:
                         per_action[name][kind] += cpu.seconds[kind]
+
+    def median(samples: list[float]) -> float | None:  # a few preempted actions skew a mean
+        return statistics.median(samples) if samples else None
+
     return {
         n: {
             "times": times[n],
-            "cpu_f": statistics.mean(per_action[n]["F"]) if per_action[n]["F"] else None,
-            "cpu_b": statistics.mean(per_action[n]["B"]) if per_action[n]["B"] else None,
+            "cpu_f": median(per_action[n]["F"]),
+            "cpu_b": median(per_action[n]["B"]),
+            "moves_f": median(per_action[n]["F moves"]),
+            "moves_b": median(per_action[n]["B moves"]),
         }
         for n in names
     }
@@ -212,12 +253,23 @@ def worker_stage_counts(rank: int, world: int, port: int, reps: int, queue: Any)
     join_world(rank, world, port)
     steps: dict[str, Callable[[], None]] = {}
     cpus: dict[str, _ActionCpu] = {}
-    sbp_cpu = _ActionCpu()
+    transfers = _TransferCpu()
+    sbp_cpu = _ActionCpu(transfers)
     for schedule in SCHEDULES:
         for stages in (2, 4):
             name = f"{schedule} {stages} stages"
-            graph, batch = _sbp_graph(schedule, stages)
-            cpus[name] = _ActionCpu()
+            # 2 stages: ranks 0-1 run one pipeline while ranks 2-3 run another alike. Each
+            # runs once on every rank first (an sbpflow program runs on every rank: that is
+            # where the groups of its transfers are made); after that the two pipelines
+            # exchange nothing with each other.
+            graph, batch = _sbp_graph(schedule, stages, first_rank=0)
+            if stages == 2:
+                other = _sbp_graph(schedule, stages, first_rank=2)
+                for pipeline, its_batch in ((graph, batch), other):
+                    pipeline(*its_batch)
+                if rank >= 2:
+                    graph, batch = other
+            cpus[name] = _ActionCpu(transfers)
 
             def run(graph: Any = graph, batch: Any = batch, name: str = name) -> None:
                 sbp_cpu.clear()
@@ -226,9 +278,11 @@ def worker_stage_counts(rank: int, world: int, port: int, reps: int, queue: Any)
 
             steps[name] = run
     undo = _patched_actions(sbp_cpu)
+    undo_transfers = transfers.install()
     try:
         results = _interleaved(steps, reps, cpus)
     finally:
+        undo_transfers()
         undo()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)

@@ -8,8 +8,10 @@ model trained in this process with the same accumulation:
   has computed it: a probe at the last stage's input sees every parameter of the stage with
   a gradient in the first micro-batch's backward (as in plain torch, where AccumulateGrad
   runs as soon as its gradient is ready);
-- ``loss.backward(inputs=...)`` naming some parameters of the last stage trains exactly
-  those, as the single-process ``backward(inputs=...)`` does;
+- ``loss.backward(inputs=...)`` naming some parameters of the last stage, of the first
+  stage (held by the other rank: NOTE [backward into some inputs] in
+  sbpflow/nn/pipeline/runtime/_passes.py), or of both trains exactly those, as the
+  single-process ``backward(inputs=...)`` does;
 - a gradient hook a user put on a parameter runs, as in the single process.
 """
 
@@ -59,26 +61,46 @@ class ProbedStage(nn.Module):
 
 
 class Chain(nn.Module):
-    def __init__(self) -> None:
+    """Two probed stages; ``tied``: the output times the first stage's first weight again."""
+
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.stages = nn.ModuleList([ProbedStage(), ProbedStage()])
+        self.tied = tied
+        self.tied_to: sbpflow.Placement | None = None  # the last stage's, once global
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
             x = stage(x)
+        if self.tied:
+            w = self.stages[0].layers[0].weight
+            x = x @ (w if self.tied_to is None else w.to_global(self.tied_to, B))
         return x
 
 
-def _inputs(model: Chain) -> list[torch.Tensor]:
-    """The parameters ``backward(inputs=...)`` names: the last stage's first linear."""
-    return list(model.stages[1].layers[0].parameters())
+# What ``backward(inputs=...)`` names in each case: the first linear of these stages.
+# "tied": the first stage's first weight is used again by the last stage.
+NAMED_STAGES = {
+    "inputs": (1,),
+    "inputs first stage": (0,),
+    "inputs both stages": (0, 1),
+    "inputs, tied": (1,),
+    "inputs first stage, tied": (0,),
+}
+
+
+def _inputs(model: Chain, case: str) -> list[torch.Tensor] | None:
+    """The parameters ``backward(inputs=...)`` names in ``case`` (None: no ``inputs``)."""
+    if case not in NAMED_STAGES:
+        return None
+    return [p for s in NAMED_STAGES[case] for p in model.stages[s].layers[0].parameters()]
 
 
 class TrainGraph(sbpflow.nn.Graph):
-    def __init__(self, model: Chain, placements: list[Any], some_inputs: bool) -> None:
+    def __init__(self, model: Chain, placements: list[Any], case: str) -> None:
         super().__init__()
         self.model = model
-        self.some_inputs = some_inputs
+        self.case = case
         for s, placement in enumerate(placements):
             self.model.stages[s].config.set_stage(s, placement)
         self.config.set_gradient_accumulation_steps(_M)
@@ -87,7 +109,7 @@ class TrainGraph(sbpflow.nn.Graph):
 
     def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.mse_loss(self.model(x), y)
-        loss.backward(inputs=_inputs(self.model.origin) if self.some_inputs else None)
+        loss.backward(inputs=_inputs(self.model.origin, self.case))
         return loss
 
 
@@ -102,12 +124,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _reference(model: Chain, some_inputs: bool) -> list[torch.Tensor]:
+def _reference(model: Chain, case: str) -> list[torch.Tensor]:
     """The same training in this process: micro-batch gradients summed, divided by _M."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in _batches():
         for xm, ym in zip(x.chunk(_M), y.chunk(_M), strict=True):
-            F.mse_loss(model(xm), ym).backward(inputs=_inputs(model) if some_inputs else None)
+            F.mse_loss(model(xm), ym).backward(inputs=_inputs(model, case))
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= _M
@@ -122,19 +144,21 @@ def train_job(case: str) -> dict[str, Any]:
     placements = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
     everyone = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain(tied="tied" in case)
     reference = copy.deepcopy(model)
     for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, B)
         stage.watched = list(stage.parameters())
+    if model.tied:
+        model.tied_to = placements[1]
     if case == "hook":
         for m in (model, reference):
             for stage in m.stages:
                 stage.layers[0].weight.register_hook(_double)
-    graph = TrainGraph(model, placements, some_inputs=case == "inputs")
+    graph = TrainGraph(model, placements, case)
     for x, y in _batches():
         graph(x.to_global(placements[0], B), y.to_global(placements[1], B))
-    want = _reference(reference, some_inputs=case == "inputs")
+    want = _reference(reference, case)
     errors = [
         (p.detach().to_global(everyone, B).to_local() - r).abs().max().item()
         for p, r in zip(model.parameters(), want, strict=True)
@@ -151,16 +175,16 @@ def _initial_parameters() -> list[torch.Tensor]:
     return [p.detach() for p in Chain().parameters()]
 
 
-@pytest.mark.parametrize("case", ["all", "inputs", "hook"])
+@pytest.mark.parametrize("case", ["all", "hook", *NAMED_STAGES])
 def test_piece_gradients_train_like_one_process(case: str) -> None:
     """Parameters equal the single-process reference within 1e-5 after 2 steps; with
     ``backward(inputs=...)`` exactly the named parameters moved."""
     model = Chain()
-    named = {id(p) for p in _inputs(model)}
+    named = {id(p) for p in _inputs(model, case) or ()}
     trained = [id(p) in named for p in model.parameters()]
     for rank, got in enumerate(get_pool(2).run(train_job, case)):
         assert max(got["errors"]) <= _TOL, (case, rank, got["errors"])
-        if case == "inputs":
+        if named:
             assert [m > 0 for m in got["moved"]] == trained, (rank, got["moved"])
         else:
             assert all(m > 0 for m in got["moved"]), (case, rank, got["moved"])

@@ -5,6 +5,7 @@ NOTE [deferred backward] and [split backward] in _scope.py say what each compute
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,14 +38,48 @@ def run_forward(scope: Scope, build: Build) -> None:
 def run_backward(mb: MicroBatch) -> None:
     """The micro-batch's recorded backward calls, run whole."""
     for bw in mb.backwards:
-        inputs = _with_pieces(bw.inputs, mb) if bw.inputs is not None else None
-        torch.Tensor.backward(bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph, inputs)
+        if bw.inputs is None:
+            torch.Tensor.backward(bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph)
+        else:
+            _backward_into(bw, mb)
+
+
+# NOTE [backward into some inputs]
+# ``loss.backward(inputs=...)`` runs only the part of the graph that leads to the
+# named tensors, and each rank decides that on its own graph. A rank holding a
+# later stage sees the earlier stages as stand-ins (NOTE [stages held elsewhere]),
+# so a parameter of an earlier stage is out of its reach: it would skip sending
+# the gradient across the placement while the earlier stage's rank waits for it.
+# So every rank also names every tensor that crossed a placement in the
+# micro-batch: all ranks then run every change of placement's backward, the
+# messages of the full backward in its order, and the named tensors get exactly
+# the gradients they get in one process. Autograd accumulates a named tensor's
+# gradient into its ``.grad``; the crossed tensors' ``.grad`` are put back as
+# they were, so only what the user named changes. A crossed leaf (a tied weight
+# used on another stage) is left out on every rank: only its own gradient lies
+# beyond that crossing, and naming it would run its gradient hooks.
+def _backward_into(bw: Backward, mb: MicroBatch) -> None:
+    named = _as_list(bw.inputs)
+    # A leaf that crossed (a tied weight moved to another stage) ends its own path: left out
+    # on every rank alike, so no rank runs that crossing's backward unless it is named.
+    crossed = [t for t in mb.crossed if t.grad_fn is not None and not any(t is n for n in named)]
+    with warnings.catch_warnings():  # reading a non-leaf tensor's .grad warns
+        warnings.simplefilter("ignore", UserWarning)
+        before = [t.grad for t in crossed]
+    inputs = _with_pieces(named, mb) + crossed
+    torch.Tensor.backward(bw.tensor, bw.gradient, bw.retain_graph, bw.create_graph, inputs)
+    for t, grad in zip(crossed, before, strict=True):
+        t.grad = grad
+
+
+def _as_list(inputs: Any) -> list[torch.Tensor]:
+    return [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
 
 
 def _with_pieces(inputs: Any, mb: MicroBatch) -> list[torch.Tensor]:
     """``backward``'s ``inputs`` with the pieces of each parameter a stage computed with on
     its piece added (NOTE [parameter pieces are leaves] in _held_here.py)."""
-    given = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    given = _as_list(inputs)
     pieces: dict[int, list[torch.Tensor]] = {}
     for param, piece in mb.pieces:
         pieces.setdefault(id(param), []).append(piece)
