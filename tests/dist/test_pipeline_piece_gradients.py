@@ -11,7 +11,8 @@ model trained in this process with the same accumulation:
 - ``loss.backward(inputs=...)`` naming some parameters of the last stage, of the first
   stage (held by the other rank: NOTE [backward into some inputs] in
   sbpflow/nn/pipeline/runtime/_passes.py), or of both trains exactly those, as the
-  single-process ``backward(inputs=...)`` does;
+  single-process ``backward(inputs=...)`` does, with 2 stages and with 4 stages interleaved
+  on the 2 ranks;
 - a gradient hook a user put on a parameter runs, as in the single process.
 """
 
@@ -63,9 +64,9 @@ class ProbedStage(nn.Module):
 class Chain(nn.Module):
     """Two probed stages; ``tied``: the output times the first stage's first weight again."""
 
-    def __init__(self, tied: bool = False) -> None:
+    def __init__(self, tied: bool = False, num_stages: int = 2) -> None:
         super().__init__()
-        self.stages = nn.ModuleList([ProbedStage(), ProbedStage()])
+        self.stages = nn.ModuleList([ProbedStage() for _ in range(num_stages)])
         self.tied = tied
         self.tied_to: sbpflow.Placement | None = None  # the last stage's, once global
 
@@ -93,18 +94,20 @@ def _inputs(model: Chain, case: str) -> list[torch.Tensor] | None:
     """The parameters ``backward(inputs=...)`` names in ``case`` (None: no ``inputs``)."""
     if case not in NAMED_STAGES:
         return None
-    return [p for s in NAMED_STAGES[case] for p in model.stages[s].layers[0].parameters()]
+    last = len(model.stages) - 1  # the "last" stage named as 1 is the model's last
+    stages = [last if s == 1 else s for s in NAMED_STAGES[case]]
+    return [p for s in stages for p in model.stages[s].layers[0].parameters()]
 
 
 class TrainGraph(sbpflow.nn.Graph):
-    def __init__(self, model: Chain, placements: list[Any], case: str) -> None:
+    def __init__(self, model: Chain, placements: list[Any], case: str, schedule: str) -> None:
         super().__init__()
         self.model = model
         self.case = case
         for s, placement in enumerate(placements):
             self.model.stages[s].config.set_stage(s, placement)
         self.config.set_gradient_accumulation_steps(_M)
-        self.config.set_pipeline_schedule("1f1b")
+        self.config.set_pipeline_schedule(schedule)
         self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -138,26 +141,32 @@ def _reference(model: Chain, case: str) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def train_job(case: str) -> dict[str, Any]:
+# The 2-stage 1F1B pipeline of every case, and 4 stages on the 2 ranks (0, 1, 0, 1) with
+# interleaved 1F1B, where each rank runs its micro-batches on worker threads.
+LAYOUTS = {"2 stages": ((0, 1), "1f1b"), "4 stages interleaved": ((0, 1, 0, 1), "interleaved_1f1b")}
+
+
+def train_job(case: str, layout: str = "2 stages") -> dict[str, Any]:
     """Train ``_STEPS`` steps; the parameters (gathered) against the reference's, and what the
     probe at the last stage's input saw in the first micro-batch's backward."""
-    placements = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    ranks, schedule = LAYOUTS[layout]
+    placements = [sbpflow.placement("cpu", [r]) for r in ranks]
     everyone = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    model = Chain(tied="tied" in case)
+    model = Chain(tied="tied" in case, num_stages=len(ranks))
     reference = copy.deepcopy(model)
     for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, B)
         stage.watched = list(stage.parameters())
     if model.tied:
-        model.tied_to = placements[1]
+        model.tied_to = placements[-1]
     if case == "hook":
         for m in (model, reference):
             for stage in m.stages:
                 stage.layers[0].weight.register_hook(_double)
-    graph = TrainGraph(model, placements, case)
+    graph = TrainGraph(model, placements, case, schedule)
     for x, y in _batches():
-        graph(x.to_global(placements[0], B), y.to_global(placements[1], B))
+        graph(x.to_global(placements[0], B), y.to_global(placements[-1], B))
     want = _reference(reference, case)
     errors = [
         (p.detach().to_global(everyone, B).to_local() - r).abs().max().item()
@@ -165,29 +174,35 @@ def train_job(case: str) -> dict[str, Any]:
     ]
     moved = [
         (p.detach().to_global(everyone, B).to_local() - r).abs().max().item()
-        for p, r in zip(model.parameters(), _initial_parameters(), strict=True)
+        for p, r in zip(model.parameters(), _initial_parameters(len(ranks)), strict=True)
     ]
-    return {"errors": errors, "moved": moved, "seen": model.stages[1].seen}
+    return {"errors": errors, "moved": moved, "seen": model.stages[-1].seen}
 
 
-def _initial_parameters() -> list[torch.Tensor]:
+def _initial_parameters(num_stages: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    return [p.detach() for p in Chain().parameters()]
+    return [p.detach() for p in Chain(num_stages=num_stages).parameters()]
 
 
-@pytest.mark.parametrize("case", ["all", "hook", *NAMED_STAGES])
-def test_piece_gradients_train_like_one_process(case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "layout"),
+    [
+        *((case, "2 stages") for case in ("all", "hook", *NAMED_STAGES)),
+        *((case, "4 stages interleaved") for case in ("all", *NAMED_STAGES)),
+    ],
+)
+def test_piece_gradients_train_like_one_process(case: str, layout: str) -> None:
     """Parameters equal the single-process reference within 1e-5 after 2 steps; with
     ``backward(inputs=...)`` exactly the named parameters moved."""
-    model = Chain()
+    model = Chain(num_stages=len(LAYOUTS[layout][0]))
     named = {id(p) for p in _inputs(model, case) or ()}
     trained = [id(p) in named for p in model.parameters()]
-    for rank, got in enumerate(get_pool(2).run(train_job, case)):
-        assert max(got["errors"]) <= _TOL, (case, rank, got["errors"])
+    for rank, got in enumerate(get_pool(2).run(train_job, case, layout)):
+        assert max(got["errors"]) <= _TOL, (case, layout, rank, got["errors"])
         if named:
-            assert [m > 0 for m in got["moved"]] == trained, (rank, got["moved"])
+            assert [m > 0 for m in got["moved"]] == trained, (layout, rank, got["moved"])
         else:
-            assert all(m > 0 for m in got["moved"]), (case, rank, got["moved"])
+            assert all(m > 0 for m in got["moved"]), (case, layout, rank, got["moved"])
 
 
 def test_weight_gradients_reach_grad_as_soon_as_computed() -> None:
