@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from bench.ddp.run import RES_BATCH, RES_DIM, _step_fn, make_residual  # noqa: E402
 from bench.dispatch.run import Floor  # noqa: E402
@@ -51,6 +50,7 @@ from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
 FORMS = ("plain", "floor", "sbpflow")
+WARMUP = 5
 SECTION_START, SECTION_END = "<!-- bench:ddp-floor:start -->", "<!-- bench:ddp-floor:end -->"
 
 
@@ -65,10 +65,7 @@ def _floor_model(base: nn.Module) -> nn.Module:
 
 def one_run(reps: int) -> dict[str, float]:
     """Median step ms of each form, in this process (a one-rank gloo world)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.set_num_threads(1)
-    sbpflow.env.ensure_initialized()
+    join_world(0, 1, free_port())
     torch.manual_seed(0)
     base = make_residual()
     placement = sbpflow.placement("cpu", [0])
@@ -83,15 +80,7 @@ def one_run(reps: int) -> dict[str, float]:
             copy.deepcopy(base).to_global(placement, broadcast), lambda: (gx, gy), loss
         ),
     }
-    times: dict[str, list[float]] = {form: [] for form in FORMS}
-    warmup = 5
-    for rep in range(warmup + reps):
-        shift = rep % len(FORMS)
-        for form in FORMS[shift:] + FORMS[:shift]:
-            start = time.perf_counter()
-            steps[form]()
-            if rep >= warmup:
-                times[form].append((time.perf_counter() - start) * 1e3)
+    times, _ = interleaved_step_times(steps, WARMUP, reps)
     return {form: statistics.median(samples) for form, samples in times.items()}
 
 

@@ -12,11 +12,10 @@ starts after a barrier and its time is the slowest rank's. Host CPU per action: 
 time of the rank's main thread (``time.thread_time``) in each compute action (sbpflow: the
 runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the stage).
 
-Part 3, 4 ranks: the same stages as a 2-stage pipeline (ranks 0 and 1) and as a 4-stage one
-(ranks 0-3), interleaved in one run: host CPU per forward and per backward action on each
-rank holding a stage. Stage-local execution makes it the same: a rank runs its own stage and
-stand-ins for the others. Both load the machine alike: "2 stages" is two 2-stage pipelines
-at once, ranks 0-1 and ranks 2-3, so four ranks compute and send at once in both, and a
+Part 3, 4 ranks: the same stages as two 2-stage pipelines at once (ranks 0-1 and ranks 2-3)
+and as one 4-stage pipeline (ranks 0-3), interleaved in one run: host CPU per forward and per
+backward action on each rank. Stage-local execution makes it the same: a rank runs its own
+stage and stand-ins for the others. Four ranks compute and send at once in both, so a
 thread's CPU time per action is compared under the same contention for the cores and caches.
 """
 
@@ -42,6 +41,8 @@ from sbpflow.sbp import broadcast
 
 WIDTH, LAYERS, BATCH, M = 1024, 4, 256, 8
 SCHEDULES = ("gpipe", "1f1b")
+# Per action kind, its CPU time and the part of it in transfers ("moves", part 3 only).
+KINDS = ("F", "B", "F moves", "B moves")
 
 
 def stage_module(seed: int) -> nn.Sequential:
@@ -58,10 +59,10 @@ class _ActionCpu:
 
     def __init__(self, transfers: _TransferCpu | None = None) -> None:
         self.transfers = transfers
-        self.seconds: dict[str, list[float]] = {"F": [], "B": [], "F moves": [], "B moves": []}
+        self.seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
 
     def clear(self) -> None:
-        self.seconds = {"F": [], "B": [], "F moves": [], "B moves": []}
+        self.seconds = {kind: [] for kind in KINDS}
 
     def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -176,8 +177,7 @@ def _interleaved(
     """Each repetition runs every step once, in an order rotating by one; warmup dropped."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
-    kinds = ("F", "B", "F moves", "B moves")
-    per_action: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in names}
+    per_action: dict[str, dict[str, list[float]]] = {n: {k: [] for k in KINDS} for n in names}
     for rep in range(2 + reps):
         for i in range(len(names)):
             name = names[(rep + i) % len(names)]
@@ -192,7 +192,7 @@ def _interleaved(
             if rep >= 2:
                 times[name].append(elapsed.item())
                 if cpu is not None:
-                    for kind in kinds:
+                    for kind in KINDS:
                         per_action[name][kind] += cpu.seconds[kind]
 
     def median(samples: list[float]) -> float | None:  # a few preempted actions skew a mean

@@ -278,7 +278,7 @@ rank's; medians over the repetitions. Host CPU per action: the main thread's CPU
 forward and backward action (sbpflow: the runtime's compute actions, which include receiving
 the stage's input, the loss and posting the sends; torch: `forward_one_chunk` /
 `backward_one_chunk`, its schedule receiving, sending and computing the loss outside them),
-mean over the actions, per rank.
+median over the actions, per rank.
 
 {out["real"]}
 

@@ -60,8 +60,6 @@ def run_backward(mb: MicroBatch) -> None:
 # beyond that crossing, and naming it would run its gradient hooks.
 def _backward_into(bw: Backward, mb: MicroBatch) -> None:
     named = _as_list(bw.inputs)
-    # A leaf that crossed (a tied weight moved to another stage) ends its own path: left out
-    # on every rank alike, so no rank runs that crossing's backward unless it is named.
     crossed = [t for t in mb.crossed if t.grad_fn is not None and not any(t is n for n in named)]
     with warnings.catch_warnings():  # reading a non-leaf tensor's .grad warns
         warnings.simplefilter("ignore", UserWarning)
