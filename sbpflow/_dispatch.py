@@ -87,7 +87,7 @@ class OpDispatcher:
 
     def __init__(self) -> None:
         self.propagator = Propagator()
-        self.fast: BoundedDict[Any, _Fast] = BoundedDict("dispatch fast path", FAST_BOUND)
+        self.fast: BoundedDict[Any, _Fast | _SitOut] = BoundedDict("dispatch fast path", FAST_BOUND)
         _registry.on_change(self.forget)  # a new rule replaces what was decided without it
 
     def forget(self) -> None:
@@ -104,6 +104,8 @@ class OpDispatcher:
         except TypeError:  # an unhashable argument: no fast entry
             key = fast = None
         if fast is not None:
+            if isinstance(fast, _SitOut):
+                return _sit_out(fast, args)
             return _run_fast(fast, func, args, kwargs)
         args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
         if func is _TO_COPY and kwargs.get("device") is not None:  # never on the fast path
@@ -217,6 +219,22 @@ class OpDispatcher:
                 written.append((g, local_flat[i]))
         rank = get_rank()
         if rank not in placement:
+            if (
+                fast_key is not None
+                and registered is not None
+                and not mutated
+                and decision.output_structure is not None
+                and not _rng.draws(func, args, kwargs)
+                and _fast_eligible(args, kwargs)
+            ):
+                self.fast[fast_key] = _SitOut(
+                    decision.output_structure,
+                    tuple(
+                        decision.output_meta(k, m.dtype)
+                        for k, m in enumerate(decision.output_metas)
+                    ),
+                    _fast_gradients(decision, positions),
+                )
             return _wrap_outputs_outside(func, decision, args, kwargs)
         local_args, local_kwargs = tree_unflatten(local_flat, spec)
         ctx = None
@@ -268,13 +286,18 @@ class OpDispatcher:
             return  # outputs the meta kernel gave and this one did not (masked backward outputs)
         metas = tuple(decision.output_meta(k, o.dtype) for k, o in enumerate(outs))
         op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
-        # Fast calls hold globals in ``args`` only, none inside a list: input k is args[positions[k]].
-        fan_out = tuple(
-            (positions[k], tuple(positions[j] for j in sources))
-            for k, sources in decision.gradients.fan_out
-        )
-        gradients = GradientPlan(fan_out=fan_out) if fan_out else None
+        gradients = _fast_gradients(decision, positions)
         self.fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
+
+
+def _fast_gradients(decision: Decision, positions: list[int]) -> GradientPlan | None:
+    """The decision's gradient plan by position in ``args`` (fast calls hold globals in
+    ``args`` only, none inside a list: input k is ``args[positions[k]]``); None when empty."""
+    fan_out = tuple(
+        (positions[k], tuple(positions[j] for j in sources))
+        for k, sources in decision.gradients.fan_out
+    )
+    return GradientPlan(fan_out=fan_out) if fan_out else None
 
 
 @special(aten.detach.default, aten.alias.default)
@@ -375,6 +398,40 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     return fast.container(
         [_global.wrap(o, meta) for o, meta in zip(out, fast.outputs, strict=True)]
     )
+
+
+# NOTE [sitting out fast]
+# A rank outside an op's placement runs nothing and holds empty pieces (NOTE [dispatch],
+# ``_wrap_outputs_outside``); a pipelined step does that for every op of the stages and the
+# loss another rank holds, on every micro-batch. A repeated call of that kind (same key, so
+# the same decision: it boxes nothing, writes no input, draws no random numbers, and its
+# outputs' structure is known) leaves a ``_SitOut`` entry and skips the rule lookup, the
+# propagation and the schema walks: it only hooks what the decision hooks and makes the
+# empty outputs with the metadata the full path gave them.
+
+
+@dataclass(frozen=True)
+class _SitOut:
+    structure: tuple[Any, tuple[bool, ...]]  # the outputs' tree spec, which leaves are tensors
+    outputs: tuple[Meta, ...]  # the tensor outputs' interned metadata
+    gradients: GradientPlan | None = None  # as ``_Fast.gradients``
+
+
+def _sit_out(fast: _SitOut, args: tuple[Any, ...]) -> Any:
+    if fast.gradients is not None:
+        apply_gradient_plan(fast.gradients, args)
+    spec, tensors = fast.structure
+    metas = iter(fast.outputs)
+    leaves: list[Any] = []
+    for is_tensor in tensors:
+        if is_tensor:
+            meta = next(metas)
+            device = device_for(meta.layout.placement.type)
+            local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
+            leaves.append(_global.wrap(local, meta))
+        else:
+            leaves.append(None)
+    return tree_unflatten(leaves, spec)
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:

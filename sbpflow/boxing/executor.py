@@ -8,9 +8,12 @@ ranks never diverge in which collectives they enter.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .._bounded import BoundedDict
 from .._layout import Layout, box_shape, empty_local_shape, member_sizes, relative
 from ..comm import _functional, collectives
 from ..comm._mesh import MESHES
@@ -118,6 +121,68 @@ def _zero(
     return torch.zeros_like(local)
 
 
+# NOTE [transfer routes]
+# What a rank sends and receives in one transfer depends only on the two layouts, the
+# logical shape and the rank: which slices of its piece go to which peers, which boxes
+# arrive from which peers and where they land. A pipelined step makes the same transfers
+# on every micro-batch, so that geometry is worked out once and kept as a ``_Route``; a
+# transfer then only slices, allocates and hands the messages to ``collectives.exchange``.
+# The buffer a rank receives into is filled with zeros first unless one message covers
+# all of it (a partial-sum destination's other ranks keep zeros, NOTE in _transfer.py).
+
+
+@dataclass(frozen=True)
+class _Route:
+    out_shape: tuple[int, ...] | None  # this rank's piece of dst; None: not in dst
+    copies: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]  # (from src, into out)
+    sends: tuple[tuple[int, tuple[slice, ...]], ...]  # (peer, slice of this rank's piece)
+    # (peer, the box's shape, where it lands in out; None: the box is all of out)
+    recvs: tuple[tuple[int, tuple[int, ...], tuple[slice, ...] | None], ...]
+    members: tuple[int, ...]  # every rank of both placements, sorted
+
+    @property
+    def fills_out(self) -> bool:
+        """Whether the messages write every element of out (no zeros needed)."""
+        return not self.copies and len(self.recvs) == 1 and self.recvs[0][2] is None
+
+
+ROUTES_BOUND = 4096
+_routes: BoundedDict[tuple[Any, ...], _Route] = BoundedDict("transfer routes", ROUTES_BOUND)
+
+
+def _route(src: Layout, dst: Layout, shape: tuple[int, ...], rank: int) -> _Route:
+    key = (src, dst, shape, rank)
+    found = _routes.get(key)
+    if found is not None:
+        return found
+    src_box = src.box(shape, rank) if rank in src.placement else None
+    dst_box = dst.box(shape, rank) if rank in dst.placement else None
+    out_shape = box_shape(dst_box) if dst_box is not None else None
+    copies, sends, recvs = [], [], []
+    for piece in transfer_pieces(shape, src, dst):
+        if rank == piece.src_rank:
+            assert src_box is not None
+            taken = relative(piece.box, src_box)
+            if rank == piece.dst_rank:
+                assert dst_box is not None
+                copies.append((taken, relative(piece.box, dst_box)))
+            else:
+                sends.append((piece.dst_rank, taken))
+        elif rank == piece.dst_rank:
+            assert dst_box is not None
+            whole = box_shape(piece.box) == out_shape
+            recvs.append(
+                (
+                    piece.src_rank,
+                    box_shape(piece.box),
+                    None if whole else relative(piece.box, dst_box),
+                )
+            )
+    members = tuple(sorted(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)))
+    route = _routes[key] = _Route(out_shape, tuple(copies), tuple(sends), tuple(recvs), members)
+    return route
+
+
 def _run_transfer(
     step: BoxingStep,
     shape: tuple[int, ...],
@@ -126,42 +191,35 @@ def _run_transfer(
     lane: tuple[Hashable, int] | None = None,
 ) -> torch.Tensor:
     src, dst = step.src, step.dst
-    _functional.refuse_traced(f"boxing from {src.describe()} to {dst.describe()}", local)
+    if _functional.traced(local):  # the message only then: describing layouts costs
+        _functional.refuse_traced(f"boxing from {src.describe()} to {dst.describe()}", local)
     if src.placement.type != dst.placement.type:
         raise NotImplementedError(
             f"the executor boxes between placements of one device type, got {src.placement} -> "
             f"{dst.placement}; GlobalTensor.to_global moves the tensor to the other type first "
             "(g.to(device_type): the same ranks and SBP, a local copy) and then boxes it."
         )
-    pieces = transfer_pieces(shape, src, dst)
-    src_box = src.box(shape, rank) if rank in src.placement else None
-    dst_box = dst.box(shape, rank) if rank in dst.placement else None
-    out = local.new_zeros(box_shape(dst_box)) if dst_box is not None else None
-    sends: list[tuple[int, torch.Tensor]] = []
-    recvs: list[tuple[int, torch.Tensor, tuple[slice, ...]]] = []
-    for piece in pieces:
-        if rank == piece.src_rank:
-            assert src_box is not None
-            data = local[relative(piece.box, src_box)]
-            if rank == piece.dst_rank:
-                assert out is not None and dst_box is not None
-                out[relative(piece.box, dst_box)] = data
-            else:
-                sends.append((piece.dst_rank, data))
-        elif rank == piece.dst_rank:
-            assert out is not None and dst_box is not None
-            target = relative(piece.box, dst_box)
-            whole = box_shape(piece.box) == tuple(out.shape)
-            recvs.append(
-                (piece.src_rank, out if whole else out.new_empty(box_shape(piece.box)), target)
-            )
-    involved = set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)
-    buffers = [(peer, buffer) for peer, buffer, _ in recvs]
-    collectives.exchange(sends, buffers, dst.placement.type, sorted(involved), lane)
-    for _, buffer, target in recvs:
-        if buffer is not out:
-            assert out is not None
-            out[target] = buffer
+    route = _route(src, dst, tuple(shape), rank)  # NOTE [transfer routes]
+    out = None
+    if route.out_shape is not None:
+        make = local.new_empty if route.fills_out else local.new_zeros
+        out = make(route.out_shape)
+        for taken, placed in route.copies:
+            out[placed] = local[taken]
+    sends = [(peer, local[taken]) for peer, taken in route.sends]
+    buffers: list[tuple[int, torch.Tensor]] = []
+    landing: list[tuple[tuple[slice, ...], torch.Tensor]] = []  # received elsewhere than out
+    for peer, box, into in route.recvs:
+        assert out is not None
+        if into is None:
+            buffers.append((peer, out))
+        else:
+            buffers.append((peer, local.new_empty(box)))
+            landing.append((into, buffers[-1][1]))
+    collectives.exchange(sends, buffers, dst.placement.type, route.members, lane)
+    for into, buffer in landing:
+        assert out is not None
+        out[into] = buffer
     if out is None:
         return local.new_empty(empty_local_shape(len(shape)))
     return out

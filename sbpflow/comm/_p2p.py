@@ -53,6 +53,7 @@ import contextlib
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,10 +139,38 @@ def exchange(
     [transfer groups]); a rank outside ``ranks`` passes no pieces. ``lane``:
     ``(key, 0 or 1)``, a group of its own for these ranks (NOTE [lanes]).
     """
+    key = (device_type, tuple(ranks), lane)
+    handle = _handles.get(key, _UNSEEN)
+    if handle is _UNSEEN:
+        handle = _handles[key] = _resolve(device_type, ranks, lane)
+    if handle is None or handle is _OUTSIDE:
+        assert not sends and not recvs, f"pieces to move outside the ranks {sorted(set(ranks))}"
+        return
+    with named("send_recv", key[1]):
+        if _deferred is not None:
+            _post(_deferred, sends, recvs, handle)
+        elif sends or recvs:
+            ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=handle) for peer, t in sends]
+            ops += [dist.P2POp(dist.irecv, buf, peer, group=handle) for peer, buf in recvs]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+# Per (device type, ranks, lane) of a transfer: this rank's group handle once made and
+# warmed up, None within one rank, _OUTSIDE for a rank outside the ranks (its part, making
+# the groups, done). A pipelined step makes the same transfers on every micro-batch.
+_UNSEEN: Any = object()
+_OUTSIDE: Any = object()
+_handles: dict[tuple[Any, ...], Any] = {}
+on_teardown(_handles.clear)
+
+
+def _resolve(device_type: str, ranks: Sequence[int], lane: tuple[Hashable, int] | None) -> Any:
+    """This rank's group for a transfer within ``ranks``, made (and warmed up) here; ``None``
+    for a transfer within one rank, ``_OUTSIDE`` when this rank is not among ``ranks``."""
     members = tuple(sorted(set(ranks)))
     if len(members) == 1:  # a copy within one rank: no group (every rank skips it alike)
-        assert not sends and not recvs, f"pieces to send within the one rank {members[0]}"
-        return
+        return None
     ensure_initialized()
     rank = dist.get_rank()
     lanes = [lane] if lane is None else [(lane[0], 0), (lane[0], 1)]  # both lanes of a key
@@ -157,17 +186,9 @@ def exchange(
         if each == lane:
             found = got
     if found is None:
-        assert not sends and not recvs, f"pieces to move outside the ranks {list(members)}"
-        return
-    handle = found[1]
-    with named("send_recv", members):
-        if _deferred is not None:
-            _post(_deferred, sends, recvs, handle)
-        elif sends or recvs:
-            ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=handle) for peer, t in sends]
-            ops += [dist.P2POp(dist.irecv, buf, peer, group=handle) for peer, buf in recvs]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        return _OUTSIDE
+    assert found[1] is not None, f"a group of one rank for the ranks {list(members)}"
+    return found[1]
 
 
 def _post(

@@ -28,14 +28,18 @@
 # stage's ops) ran only after the whole stage's backward. Every weight gradient of the stage
 # was then alive at once (16 MB for 4 x Linear(1024, 1024)), freed together at the end, and
 # the C allocator handed that memory back to the system and faulted it in again on the next
-# micro-batch: a fifth more CPU time per backward than plain torch. A hook after the piece's
-# accumulation moves its gradient into the parameter's ``.grad`` as AccumulateGrad would (the
-# first one taken as it is, the later ones added in place, out of place under
-# ``create_graph``), on the pieces, with no dispatch. A parameter with other gradient hooks
-# than ``keep_grad_layout``'s (a user's, a ``GradientSync``'s) keeps ``_ToPiece`` and runs
-# them. The pieces of a micro-batch are noted on it, so a ``backward(inputs=...)`` naming a
-# parameter also names its pieces (``run_backward``), as does the input half of a split
-# backward for a parameter that crossed a placement (a tied weight: NOTE [split backward]).
+# micro-batch: a fifth more CPU time per backward than plain torch. A hook after the leaf's
+# accumulation moves its gradient into the parameter's ``.grad`` as AccumulateGrad would
+# (the first one taken as it is, the later ones added in place, out of place under
+# ``create_graph``), on the pieces, with no dispatch, so each gradient is in ``.grad`` as
+# soon as it is computed, as in plain torch. One leaf per parameter, with its hook, serves
+# every micro-batch of a step (``StepLeaves``): making a leaf and registering a hook per
+# parameter and micro-batch cost more than the hook itself. A parameter with other
+# gradient hooks than ``keep_grad_layout``'s (a user's, a ``GradientSync``'s) keeps
+# ``_ToPiece`` and runs them. The leaf is noted on each micro-batch that used it, so a
+# ``backward(inputs=...)`` naming a parameter also names its leaf (``run_backward``), as
+# does the input half of a split backward for a parameter that crossed a placement (a tied
+# weight: NOTE [split backward]).
 """
 
 from __future__ import annotations
@@ -82,14 +86,16 @@ class HeldHere:
 
     @contextlib.contextmanager
     def installed(self, stages: Sequence[Stage], rank: int) -> Iterator[None]:
+        """While the step runs, this rank's stages run on their pieces."""
         replaced = []
+        leaves = StepLeaves()  # for this step only
         try:
             for stage in stages:
                 module = stage.module
                 if rank not in stage.placement or "forward" in module.__dict__:
                     continue  # held elsewhere, or compiled
                 forward = type(module).forward.__get__(module)
-                module.__dict__["forward"] = self._local_forward(stage, forward, rank)
+                module.__dict__["forward"] = self._local_forward(stage, forward, rank, leaves)
                 replaced.append(module)
             yield
         finally:
@@ -97,7 +103,7 @@ class HeldHere:
                 del module.__dict__["forward"]
 
     def _local_forward(
-        self, stage: Stage, forward: Callable[..., Any], rank: int
+        self, stage: Stage, forward: Callable[..., Any], rank: int, leaves: StepLeaves
     ) -> Callable[..., Any]:
         module = stage.module
         params = [
@@ -134,7 +140,7 @@ class HeldHere:
             if found is None:
                 return forward(*args, **kwargs)
             assert isinstance(found, _Outputs)
-            return _run_on_pieces(forward, found, flat, spec, params, buffers)
+            return _run_on_pieces(forward, found, flat, spec, params, buffers, leaves)
 
         return call
 
@@ -177,6 +183,7 @@ def _run_on_pieces(
     spec: Any,
     params: Sequence[tuple[torch.nn.Module, str, Any]],
     buffers: Sequence[tuple[torch.nn.Module, str, Any]],
+    leaves: StepLeaves,
 ) -> Any:
     pieces = [
         (_ToPiece.apply(x) if x.requires_grad else x._local) if isinstance(x, GlobalTensor) else x
@@ -185,7 +192,7 @@ def _run_on_pieces(
     args, kwargs = tree_unflatten(pieces, spec)
     scope = _step_context.current.get()
     noted = scope.mb.pieces if isinstance(scope, Scope) else None
-    swapped = [(sub, name, _parameter_piece(p, noted)) for sub, name, p in params]
+    swapped = [(sub, name, leaves.piece(p, noted)) for sub, name, p in params]
     swapped += [(sub, name, b._local) for sub, name, b in buffers]
     try:
         for sub, name, piece in swapped:
@@ -196,30 +203,40 @@ def _run_on_pieces(
         for sub, name, t in (*params, *buffers):
             slots = sub._parameters if name in sub._parameters else sub._buffers
             slots[name] = t
-    leaves, out_spec = tree_flatten(out)
+    results, out_spec = tree_flatten(out)
     made = [
         _FromPiece.apply(y, layout) if layout is not None else y
-        for y, layout in zip(leaves, outputs.layouts, strict=True)
+        for y, layout in zip(results, outputs.layouts, strict=True)
     ]
     return tree_unflatten(made, out_spec)
 
 
-def _parameter_piece(
-    p: GlobalTensor, noted: list[tuple[GlobalTensor, torch.Tensor]] | None
-) -> torch.Tensor:
-    """The piece a stage computes with in place of ``p`` (NOTE [parameter pieces are leaves])."""
-    if not p.requires_grad:
-        return p._local
-    if noted is None or not has_only_layout_hooks(p):
-        return _ToPiece.apply(p)
-    piece = p._local.detach().requires_grad_()
-    piece.register_post_accumulate_grad_hook(_IntoParameter(p))
-    noted.append((p, piece))
-    return piece
+class StepLeaves:
+    """The leaf each parameter's piece is in one step, shared by its micro-batches (NOTE
+    [parameter pieces are leaves])."""
+
+    def __init__(self) -> None:
+        self._leaves: dict[int, tuple[GlobalTensor, torch.Tensor]] = {}
+
+    def piece(
+        self, p: GlobalTensor, noted: list[tuple[GlobalTensor, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """The piece a stage computes with in place of ``p``."""
+        if not p.requires_grad:
+            return p._local
+        if noted is None or not has_only_layout_hooks(p):
+            return _ToPiece.apply(p)
+        found = self._leaves.get(id(p))
+        if found is None:  # setdefault: stages on worker threads may share a parameter
+            leaf = p._local.detach().requires_grad_()
+            leaf.register_post_accumulate_grad_hook(_IntoParameter(p))
+            found = self._leaves.setdefault(id(p), (p, leaf))
+        noted.append(found)
+        return found[1]
 
 
 class _IntoParameter:
-    """Post-accumulate-grad hook of a parameter's piece: its gradient into the parameter's
+    """Post-accumulate-grad hook of a parameter's leaf: its gradient into the parameter's
     ``.grad``, as AccumulateGrad would have put it (NOTE [parameter pieces are leaves])."""
 
     __slots__ = ("param",)
@@ -227,8 +244,8 @@ class _IntoParameter:
     def __init__(self, param: GlobalTensor) -> None:
         self.param = param
 
-    def __call__(self, piece: torch.Tensor) -> None:
-        grad, piece.grad = piece.grad, None
+    def __call__(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
         if grad is None:
             return
         param = self.param
