@@ -187,6 +187,8 @@ class Redistribute(torch.autograd.Function):
 
         def move() -> GlobalTensor:  # NOTE [gradients cross in the layout their tensor crossed in]
             crossed = grad if grad._layout == ctx.dst else Redistribute.apply(grad, ctx.dst)
-            return Redistribute.apply(crossed, ctx.src, lane)
+            if torch.is_grad_enabled():  # create_graph: the move is part of the graph
+                return Redistribute.apply(crossed, ctx.src, lane)
+            return box_below_autograd(crossed, ctx.src, lane)
 
         return scope.transfer_backward(ctx, move), None, None

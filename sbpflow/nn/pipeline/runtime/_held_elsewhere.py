@@ -59,7 +59,7 @@ from ....comm._errors import communications_entered
 from ....comm._world import device_for
 from ._stages import Stage
 
-__all__ = ["CONSTANTS", "HeldElsewhere", "call_key"]
+__all__ = ["CONSTANTS", "HeldElsewhere", "call_key", "flatten_call", "unflatten_call"]
 
 # Argument values a key may hold (compared by value).
 CONSTANTS = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -123,7 +123,7 @@ class HeldElsewhere:
         )
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            flat, spec = tree_flatten((args, kwargs))
+            flat, spec = flatten_call(args, kwargs)
             key = call_key(state, flat, spec, rank)
             found = self._outputs.get(key, _UNSEEN) if key is not None else None
             if found is _UNSEEN:
@@ -192,6 +192,30 @@ def _tensor_key(t: torch.Tensor) -> Any:
     if isinstance(t, GlobalTensor):
         return (t._meta, t.requires_grad)
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+# Types a call's argument can be that pytree never opens (exact types: a subclass may be a
+# registered node, a namedtuple say).
+_LEAF_TYPES = frozenset({GlobalTensor, torch.Tensor, torch.nn.Parameter, *CONSTANTS} - {enum.Enum})
+_positional_specs: dict[int, Any] = {}
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``; a stage called with tensors and constants only (the
+    usual hand-off) skips pytree's walk, with the spec it would have made."""
+    if kwargs or any(type(a) not in _LEAF_TYPES for a in args):
+        return tree_flatten((args, kwargs))
+    spec = _positional_specs.get(len(args))
+    if spec is None:
+        spec = _positional_specs[len(args)] = tree_flatten((tuple(range(len(args))), {}))[1]
+    return list(args), spec
+
+
+def unflatten_call(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` from what ``flatten_call`` gave (with other leaves in place)."""
+    if _positional_specs.get(len(flat)) is spec:
+        return tuple(flat), {}
+    return tree_unflatten(flat, spec)
 
 
 def call_key(state: Any, flat: list[Any], spec: Any, rank: int, held: bool = False) -> Any:

@@ -57,7 +57,7 @@ from ...._global import GlobalTensor, has_only_layout_hooks, meta_of, wrap
 from ...._layout import Layout
 from ....boxing._redistribute import box_below_autograd
 from ....sbp import Broadcast
-from ._held_elsewhere import CONSTANTS, call_key, run_watched
+from ._held_elsewhere import CONSTANTS, call_key, flatten_call, run_watched, unflatten_call
 from ._scope import Scope
 from ._stages import Stage
 
@@ -130,7 +130,7 @@ class HeldHere:
         )
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            flat, spec = tree_flatten((args, kwargs))
+            flat, spec = flatten_call(args, kwargs)
             key = call_key(state, flat, spec, rank, held=True) if whole else None
             found = self._outputs.get(key, _UNSEEN) if key is not None else None
             if found is _UNSEEN:
@@ -189,7 +189,7 @@ def _run_on_pieces(
         (_ToPiece.apply(x) if x.requires_grad else x._local) if isinstance(x, GlobalTensor) else x
         for x in flat
     ]
-    args, kwargs = tree_unflatten(pieces, spec)
+    args, kwargs = unflatten_call(pieces, spec)
     scope = _step_context.current.get()
     noted = scope.mb.pieces if isinstance(scope, Scope) else None
     swapped = [(sub, name, leaves.piece(p, noted)) for sub, name, p in params]
@@ -203,6 +203,9 @@ def _run_on_pieces(
         for sub, name, t in (*params, *buffers):
             slots = sub._parameters if name in sub._parameters else sub._buffers
             slots[name] = t
+    if isinstance(out, torch.Tensor) and len(outputs.layouts) == 1:  # one tensor: no pytree
+        layout = outputs.layouts[0]
+        return _FromPiece.apply(out, layout) if layout is not None else out
     results, out_spec = tree_flatten(out)
     made = [
         _FromPiece.apply(y, layout) if layout is not None else y
