@@ -132,10 +132,10 @@ def nll_loss_backward_rule(info: OpInfo) -> list[Strategy]:
 
 def _mse_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: LocalContext) -> Any:
     # Mean over a split tensor: this shard's sum over the GLOBAL numel (see the NOTE).
+    if not any(isinstance(s, Split) for s in ctx.input_layouts[-1].sbp):
+        return func(*args, **kwargs)  # every piece whole along the mean: as it is
     bound = bind(func, args, kwargs)
-    if bound["reduction"] != _MEAN or not any(
-        isinstance(s, Split) for s in ctx.input_layouts[-1].sbp
-    ):
+    if bound["reduction"] != _MEAN:
         return func(*args, **kwargs)
     return func(**{**bound, "reduction": _SUM}) / math.prod(ctx.input_metas[-1].shape)
 

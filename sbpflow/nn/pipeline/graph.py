@@ -406,8 +406,13 @@ def _average_grads(
     with torch.no_grad():
         if n > 1:
             for p in params:
-                if p.grad is not None:
-                    p.grad.div_(n)
+                grad = p.grad
+                if isinstance(grad, GlobalTensor):
+                    # Dividing every piece divides the logical value, whatever the layout
+                    # (split, broadcast, partial sum or max), with no dispatch.
+                    grad._local.div_(n)
+                elif grad is not None:
+                    grad.div_(n)
         for p, old in earlier:
             p.grad = old if p.grad is None else old.add_(p.grad)
 
