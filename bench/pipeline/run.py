@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -48,7 +49,7 @@ SVG_TIMED, SVG_REAL = "pipeline-timeline.svg", "pipeline-real-timeline.svg"
 
 def _spawn(worker: Any, world: int, reps: int) -> Any:
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     procs = mp.start_processes(
         worker,
         args=(world, free_port(), reps, queue),
@@ -56,7 +57,13 @@ def _spawn(worker: Any, world: int, reps: int) -> Any:
         start_method="spawn",
         join=False,
     )
-    result = queue.get()  # before joining: the records are larger than a pipe's buffer
+    while True:  # the result before joining: the records are larger than a pipe's buffer
+        try:
+            result = queue.get(timeout=5)
+            break
+        except Empty:
+            if any(p.exitcode not in (None, 0) for p in procs.processes):
+                procs.join()  # raises with the failed rank's traceback, stopping the others
     while not procs.join():
         pass
     return result
@@ -247,8 +254,9 @@ is a 16-wide linear and a timed wait of T/v in forward and 2T/v in backward (T/v
 of a split backward), T = {_timed.T * 1e3:.0f} ms, v the stages per rank: every rank does the
 same work under every schedule. The waits sleep, so four ranks on this {os.cpu_count()}-core
 machine measure the schedule, not the CPU. The measured bubble comes from the runtime's record
-of the last step (`graph.last_step()`, combined over the ranks with `StepRecord.combine`): 1 -
-computing time / (ranks x makespan), where a rank waiting for a message is idle. "Formula" is
+of each timed step (`graph.last_step()`, combined over the ranks with `StepRecord.combine`): 1 -
+computing time / (ranks x makespan), where a rank waiting for a message is idle; the row shows
+the step with the median bubble (its peak live too). "Formula" is
 the schedule's closed form (docs/pipeline-schedules.md) with F = I = W; "simulated" is
 `Schedule.simulate()` with the same times. Peak live is the most micro-batches whose
 activations one stage held at once (forward done, B or W not yet), measured, with the
