@@ -233,7 +233,7 @@ class OpDispatcher:
                         decision.output_meta(k, m.dtype)
                         for k, m in enumerate(decision.output_metas)
                     ),
-                    _fast_gradients(decision, positions),
+                    _fast_gradients(decision, args),
                 )
             return _wrap_outputs_outside(func, decision, args, kwargs)
         local_args, local_kwargs = tree_unflatten(local_flat, spec)
@@ -262,7 +262,7 @@ class OpDispatcher:
                     g._local.copy_(box_below_autograd(result, g._layout)._local)
         elif fast_key is not None and registered is not None and _fast_eligible(args, kwargs):
             if not mutated:
-                self._remember_fast(fast_key, out, decision, registered, ctx, positions)
+                self._remember_fast(fast_key, out, decision, registered, ctx, args)
             elif _writes_first_argument_only(func, args, mutated, out, decision):
                 self.fast[fast_key] = _Fast(func._op, (), _IN_PLACE, registered.local, ctx)
         return _wrap_outputs(out, decision, {id(local): g for g, local in written})
@@ -274,7 +274,7 @@ class OpDispatcher:
         decision: Decision,
         registered: _registry.Registered,
         ctx: Any,
-        positions: list[int],
+        args: tuple[Any, ...],
     ) -> None:
         if isinstance(out, torch.Tensor):
             container, outs = None, [out]
@@ -286,16 +286,18 @@ class OpDispatcher:
             return  # outputs the meta kernel gave and this one did not (masked backward outputs)
         metas = tuple(decision.output_meta(k, o.dtype) for k, o in enumerate(outs))
         op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
-        gradients = _fast_gradients(decision, positions)
+        gradients = _fast_gradients(decision, args)
         self.fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
 
 
-def _fast_gradients(decision: Decision, positions: list[int]) -> GradientPlan | None:
-    """The decision's gradient plan by position in ``args`` (fast calls hold globals in
-    ``args`` only, none inside a list: input k is ``args[positions[k]]``); None when empty."""
+def _fast_gradients(decision: Decision, args: tuple[Any, ...]) -> GradientPlan | None:
+    """The decision's gradient plan by position in ``args``; None when empty. A fast call
+    holds its globals as top-level positional arguments only (``_fast_eligible``), so global
+    input k is the k-th global of ``args``, wherever lists of numbers before it put it in
+    the flattened arguments (``layer_norm(x, [H, W], w, b)``)."""
+    where = [i for i, a in enumerate(args) if isinstance(a, _global.GlobalTensor)]
     fan_out = tuple(
-        (positions[k], tuple(positions[j] for j in sources))
-        for k, sources in decision.gradients.fan_out
+        (where[k], tuple(where[j] for j in sources)) for k, sources in decision.gradients.fan_out
     )
     return GradientPlan(fan_out=fan_out) if fan_out else None
 

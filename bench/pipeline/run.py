@@ -64,6 +64,10 @@ def _spawn(worker: Any, world: int, reps: int) -> Any:
         except Empty:
             if any(p.exitcode not in (None, 0) for p in procs.processes):
                 procs.join()  # raises with the failed rank's traceback, stopping the others
+            if all(p.exitcode is not None for p in procs.processes) and queue.empty():
+                raise RuntimeError(
+                    "the bench workers exited without a result (see above)"
+                ) from None
     while not procs.join():
         pass
     return result

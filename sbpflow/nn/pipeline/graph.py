@@ -407,9 +407,10 @@ def _average_grads(
         if n > 1:
             for p in params:
                 grad = p.grad
-                if isinstance(grad, GlobalTensor):
+                if isinstance(grad, GlobalTensor) and grad.grad_fn is None and not grad._is_view():
                     # Dividing every piece divides the logical value, whatever the layout
-                    # (split, broadcast, partial sum or max), with no dispatch.
+                    # (split, broadcast, partial sum or max), with no dispatch. (A view, which
+                    # may hold a copy, or a gradient with a graph goes through dispatch.)
                     grad._local.div_(n)
                 elif grad is not None:
                     grad.div_(n)
