@@ -16,7 +16,7 @@ import torch
 
 import sbpflow
 from sbpflow import _bounded, _decisions, _dispatch, _global, _printing
-from sbpflow.boxing import _redistribute, _transfer, planner
+from sbpflow.boxing import _redistribute, _transfer, executor, planner
 from sbpflow.ops import views
 from sbpflow.sbp import broadcast, split
 from sbpflow.testing import DistributedPool
@@ -32,6 +32,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         (_printing._reading_metas, _printing.READING_METAS_BOUND),
         (_global.GlobalTensor._op_dispatcher.propagator.decisions, _decisions.DECISIONS_BOUND),
         (_global.GlobalTensor._op_dispatcher.fast, _dispatch.FAST_BOUND),
+        (executor._routes, executor.ROUTES_BOUND),
     ]
     sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
     # A BoundedDict added later must be listed here too, with its module's named bound.
