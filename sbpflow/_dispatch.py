@@ -44,7 +44,7 @@ from ._bounded import BoundedDict
 from ._decisions import Decision, Propagator, call_key, metadata_of, run_meta_kernel
 from ._devices import move_to_device
 from ._gradient_hooks import apply_gradient_plan
-from ._layout import Layout, empty_local_shape
+from ._layout import Layout
 from ._lazy_bits import resolve_arguments
 from ._printing import logical_value
 from ._propagation import GradientPlan
@@ -53,7 +53,7 @@ from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .comm import _errors, _functional
 from .comm._mesh import MESHES
-from .comm._world import device_for, get_rank
+from .comm._world import get_rank
 from .ops import _registry
 from .ops._registry import LocalContext, TensorMeta
 from .placement import Placement
@@ -424,16 +424,7 @@ def _sit_out(fast: _SitOut, args: tuple[Any, ...]) -> Any:
         apply_gradient_plan(fast.gradients, args)
     spec, tensors = fast.structure
     metas = iter(fast.outputs)
-    leaves: list[Any] = []
-    for is_tensor in tensors:
-        if is_tensor:
-            meta = next(metas)
-            device = device_for(meta.layout.placement.type)
-            local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-            leaves.append(_global.wrap(local, meta))
-        else:
-            leaves.append(None)
-    return tree_unflatten(leaves, spec)
+    return tree_unflatten([_global.empty_piece(next(metas)) if t else None for t in tensors], spec)
 
 
 def _global_args(flat: list[Any], spec: Any) -> frozenset[int]:
@@ -519,17 +510,13 @@ def _wrap_outputs_outside(func: Any, decision: Decision, args: Any, kwargs: Any)
     else:
         out_spec, tensors = structure
         out_flat = [None] * len(tensors)
-    device = (
-        device_for(decision.output_layouts[0].placement.type) if decision.output_layouts else None
-    )
     tensor_outputs = iter(range(len(decision.output_metas)))
     wrapped = []
     for is_tensor, o in zip(tensors, out_flat, strict=True):
         if is_tensor:
             k = next(tensor_outputs)
-            meta = decision.output_metas[k]
-            local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-            wrapped.append(_global.wrap(local, decision.output_meta(k, meta.dtype)))
+            meta = decision.output_meta(k, decision.output_metas[k].dtype)
+            wrapped.append(_global.empty_piece(meta))
         else:
             wrapped.append(o)
     return tree_unflatten(wrapped, out_spec)

@@ -37,9 +37,9 @@ import torch
 from . import _devices, _dispatch, _printing, _saving, _step_context
 from ._bounded import BoundedDict
 from ._compiling import never_a_compiled_frame
-from ._layout import Layout, dual_sbp
+from ._layout import Layout, dual_sbp, empty_local_shape
 from .boxing import _redistribute
-from .comm._world import get_rank
+from .comm._world import device_for, get_rank
 from .placement import Placement
 from .sbp import Broadcast, NdSbp, SbpParallel
 
@@ -158,6 +158,13 @@ def wrap(
     self._local = local
     self._meta = meta
     return self
+
+
+def empty_piece(meta: Meta) -> GlobalTensor:
+    """A global tensor with ``meta`` and an empty piece: what a rank outside its placement holds."""
+    device = device_for(meta.layout.placement.type)
+    local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
+    return wrap(local, meta)
 
 
 class GlobalTensor(torch.Tensor):

@@ -53,10 +53,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .... import _rng, _step_context
-from ...._global import GlobalTensor, Meta, meta_of, wrap
-from ...._layout import empty_local_shape
+from ...._global import GlobalTensor, empty_piece, meta_of
 from ....comm._errors import communications_entered
-from ....comm._world import device_for
 from ._stages import Stage
 
 __all__ = ["CONSTANTS", "HeldElsewhere", "call_key", "flatten_call", "unflatten_call"]
@@ -163,7 +161,7 @@ class _StandIns(torch.autograd.Function):
             if not is_tensor:
                 continue
             meta, requires_grad = leaf
-            made.append(_empty(meta))
+            made.append(empty_piece(meta))
             if not requires_grad:
                 frozen.append(made[-1])
         ctx.mark_non_differentiable(*frozen)
@@ -175,17 +173,10 @@ class _StandIns(torch.autograd.Function):
         if scope is not None:
             scope.check_backward_allowed()  # type: ignore[attr-defined]
         empties = [
-            _empty(meta_of(*found)) if reached else None
+            empty_piece(meta_of(*found)) if reached else None
             for found, reached in zip(ctx.inputs, ctx.reached, strict=True)
         ]
         return (None, None, *empties)
-
-
-def _empty(meta: Meta) -> GlobalTensor:
-    """A global tensor with ``meta`` and this rank's empty piece (it is outside the placement)."""
-    device = device_for(meta.layout.placement.type)
-    local = torch.empty(empty_local_shape(len(meta.shape)), dtype=meta.dtype, device=device)
-    return wrap(local, meta)
 
 
 def _tensor_key(t: torch.Tensor) -> Any:
