@@ -45,12 +45,30 @@
 # created together at the first use of either (a forward, in program order on
 # every rank: NOTE [group creation order] in _groups.py), each started with the
 # warm-up all_reduce below while all their members are in that forward transfer.
+#
+# NOTE [receives posted early]
+# A receive posted only when the data is needed waits for the sender's gloo
+# thread to write it (gloo sends the data once the receiver has posted), and on
+# a rank whose cores are busy computing that takes a millisecond or more per
+# message. Inside ``deferred_sends()`` a caller may post receives before the
+# program asks for them (``post_early``): gloo then moves the data while this
+# rank computes, and the program's receive takes it from there. Gloo matches
+# the messages between two ranks on one group in posting order, and a receive
+# always takes the oldest one posted early for its group and peer, so the n-th
+# receive gets the n-th message whoever posted it. It must have the shape and
+# dtype the program asks for: a receive whose buffer differs from what was
+# posted raises. The buffers of early receives stay alive while gloo may write
+# them, also after a failure. Only gloo (CPU) receives are posted early: NCCL
+# runs a group's sends and receives in order on one stream, so an early receive
+# would hold back this rank's sends. sbpflow/nn/pipeline/runtime/_early.py says
+# which receives a pipelined step posts early.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,12 +97,49 @@ class Message:
     end: float  # a send: when it was posted (it completes later); a receive: when it arrived
 
 
+@dataclass(frozen=True)
+class Receive:
+    """One receive of a transfer: its group, the peer, and the buffer's shape, dtype and device."""
+
+    group: Any
+    peer: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
 @dataclass
 class DeferredSends:
-    """The sends posted inside one ``deferred_sends()`` block, waited for when it ends."""
+    """The sends posted inside one ``deferred_sends()`` block, waited for when it ends; and
+    the receives posted early in it (NOTE [receives posted early])."""
 
     observer: Callable[[Message], None] | None = None
     pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    # Called with each receive the block's transfers make, after its data arrived.
+    on_receive: Callable[[Receive], None] | None = None
+    # Per (group, peer): the receives posted early and not yet taken, oldest first.
+    early: dict[tuple[int, int], deque[tuple[Receive, dist.Work, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+    def post_early(self, receives: Sequence[Receive]) -> None:
+        """Post ``receives`` now; the block's next receives from their peers take them."""
+        for each in receives:
+            assert each.device.type == "cpu", "only gloo receives are posted early"
+            buffer = torch.empty(each.shape, dtype=each.dtype, device=each.device)
+            work = dist.irecv(buffer, each.peer, group=each.group)
+            assert work is not None, "irecv on a rank outside the group"
+            self.early.setdefault((id(each.group), each.peer), deque()).append((each, work, buffer))
+
+    def unclaimed(self) -> list[Receive]:
+        """The receives posted early that no transfer has taken."""
+        return [each for queue in self.early.values() for each, _, _ in queue]
+
+    def abandon(self) -> None:
+        """Keep every pending message's buffer alive without waiting (a failed step)."""
+        _abandoned.extend(self.pending)
+        _abandoned.extend((work, buffer) for q in self.early.values() for _, work, buffer in q)
+        self.pending, self.early = [], {}
 
     def wait(self) -> None:
         """Wait for every send posted so far (the receivers have taken the data)."""
@@ -112,9 +167,9 @@ def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterato
         yield state
     except BaseException:
         # A failed step: its receivers may never come. Keep the sends' buffers alive (a
-        # pending send reads them) instead of waiting, so the error surfaces now.
-        _abandoned.extend(state.pending)
-        state.pending = []
+        # pending send reads them; an early receive writes its) instead of waiting, so the
+        # error surfaces now.
+        state.abandon()
         raise
     finally:
         _deferred = None
@@ -210,11 +265,38 @@ def _post(
             observe(Message("send", peer, _nbytes(data), start, time.monotonic()))
     for peer, buffer in recvs:
         start = time.monotonic()
-        work = dist.irecv(buffer, peer, group=handle)
-        assert work is not None, "irecv on a rank outside the group"
-        work.wait()
+        early = state.early.get((id(handle), peer))
+        if early:  # NOTE [receives posted early]
+            _take_early(early, buffer)
+        else:
+            work = dist.irecv(buffer, peer, group=handle)
+            assert work is not None, "irecv on a rank outside the group"
+            work.wait()
         if observe is not None:
             observe(Message("recv", peer, _nbytes(buffer), start, time.monotonic()))
+        if state.on_receive is not None:
+            state.on_receive(
+                Receive(handle, peer, tuple(buffer.shape), buffer.dtype, buffer.device)
+            )
+
+
+def _take_early(
+    early: deque[tuple[Receive, dist.Work, torch.Tensor]], buffer: torch.Tensor
+) -> None:
+    """Receive into ``buffer`` the oldest message posted early for its group and peer."""
+    posted, work, data = early[0]
+    if posted.shape != tuple(buffer.shape) or posted.dtype != buffer.dtype:
+        raise RuntimeError(
+            f"a transfer receives a {tuple(buffer.shape)} {buffer.dtype} tensor from rank "
+            f"{posted.peer}, but the receive posted early for that message was for a "
+            f"{posted.shape} {posted.dtype} tensor: this step's transfers differ from those "
+            "of the previous step with inputs of the same shapes (NOTE [receives posted early]). "
+            "A pipelined build whose transfers depend on its data needs "
+            "graph.config.enable_early_receives(False)."
+        )
+    early.popleft()
+    work.wait()
+    buffer.copy_(data)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ from . import _functional
 from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
 from ._meta import all_gather_meta, all_gather_object, gather_objects, same_on_every_rank
-from ._p2p import DeferredSends, Message, deferred_sends, exchange
+from ._p2p import DeferredSends, Message, Receive, deferred_sends, exchange
 
 Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 
@@ -31,6 +31,7 @@ __all__ = [
     "Group",
     "Message",
     "PendingCollective",
+    "Receive",
     "all_gather",
     "all_gather_async",
     "all_gather_meta",

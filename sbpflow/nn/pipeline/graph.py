@@ -57,6 +57,7 @@ from ..._global import GlobalTensor
 from ...env import get_rank
 from ._block import Block, BlockConfig
 from .runtime import (
+    EarlyReceives,
     HeldElsewhere,
     HeldHere,
     Stage,
@@ -79,12 +80,13 @@ __all__ = ["Block", "BlockConfig", "Graph", "GraphConfig"]
 class GraphConfig:
     """The settings of a graph's step: gradient accumulation and the pipeline schedule."""
 
-    __slots__ = ("_compile_options", "_num_microbatches", "_schedule")
+    __slots__ = ("_compile_options", "_early_receives", "_num_microbatches", "_schedule")
 
     def __init__(self) -> None:
         self._num_microbatches = 1
         self._schedule: str | None = None
         self._compile_options: dict[str, Any] | None = None
+        self._early_receives = True
 
     def enable_compile(self, enabled: bool = True, **options: Any) -> None:
         """Run each pipeline stage's forward (and so its backward) compiled with ``torch.compile``.
@@ -100,6 +102,21 @@ class GraphConfig:
     @property
     def compile_enabled(self) -> bool:
         return self._compile_options is not None
+
+    def enable_early_receives(self, enabled: bool = True) -> None:
+        """Post each pipeline action's receives while the previous action computes (the default).
+
+        It needs a ``build`` that moves the same tensors between stages whenever its
+        inputs have the same shapes; turn it off for one whose transfers depend on its
+        data (NOTE [next action's receives]).
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enable_early_receives takes True or False, got {enabled!r}.")
+        self._early_receives = enabled
+
+    @property
+    def early_receives_enabled(self) -> bool:
+        return self._early_receives
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
         """Cut each batch argument into ``value`` micro-batches along dim 0; step once after the last."""
@@ -172,6 +189,7 @@ class Graph:
     _last_step: StepRecord | None
     _held_elsewhere: HeldElsewhere  # stand-ins of the stages other ranks hold
     _held_here: HeldHere  # this rank's stages that run on their pieces
+    _early_receives: EarlyReceives  # the receives each action made, per kind of step
     _warned_no_stages: bool
     _schedules: dict[tuple[Any, ...], Schedule]  # built for (name, stages, ranks, micro-batches)
 
@@ -184,6 +202,7 @@ class Graph:
         object.__setattr__(self, "_last_step", None)
         object.__setattr__(self, "_held_elsewhere", HeldElsewhere())
         object.__setattr__(self, "_held_here", HeldHere())
+        object.__setattr__(self, "_early_receives", EarlyReceives())
         object.__setattr__(self, "_warned_no_stages", False)
         object.__setattr__(self, "_schedules", {})
 
@@ -271,6 +290,7 @@ class Graph:
         with _stage_inputs(stages):
             if len(stages) > 1:
                 schedule = self.schedule()
+                self._early_receives.enabled = self.config.early_receives_enabled
                 outputs, record = run_step(
                     self.build,
                     microbatches,
@@ -279,6 +299,7 @@ class Graph:
                     stages,
                     self._held_elsewhere,
                     self._held_here,
+                    self._early_receives,
                 )
                 object.__setattr__(self, "_last_step", record)
             else:

@@ -5,6 +5,7 @@ _held_elsewhere.py); the schedule (``..schedules``) says in which order.
 """
 
 from ._compiled import compile_forwards
+from ._early import EarlyReceives
 from ._held_elsewhere import HeldElsewhere
 from ._held_here import HeldHere
 from ._microbatch import MicroBatchArgs, mean_outputs, split_microbatches
@@ -13,6 +14,7 @@ from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_r
 from ._step import run_step
 
 __all__ = [
+    "EarlyReceives",
     "HeldElsewhere",
     "HeldHere",
     "MicroBatchArgs",

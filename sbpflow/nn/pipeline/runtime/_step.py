@@ -9,7 +9,8 @@ micro-batch worker threads (NOTE [several stages on a rank] in _workers.py).
 NOTE [deferred backward], [one program, one message order] and [split
 backward] in _scope.py say how a micro-batch's work becomes those actions;
 NOTE [stages held elsewhere] in _held_elsewhere.py how a rank leaves the other
-ranks' stages alone.
+ranks' stages alone; NOTE [next action's receives] in _early.py how a rank
+holding one stage receives the next action's input while it computes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from ....comm import collectives
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind, Schedule, StepRecord
+from ._early import EarlyReceives
 from ._held_elsewhere import HeldElsewhere
 from ._held_here import HeldHere
 from ._microbatch import MicroBatchArgs
@@ -44,6 +46,7 @@ def run_step(
     stages: Sequence[Stage],
     held_elsewhere: HeldElsewhere,
     held_here: HeldHere,
+    early_receives: EarlyReceives,
 ) -> tuple[list[Any], StepRecord]:
     """Run ``build`` on each micro-batch in ``schedule``'s order on this rank.
 
@@ -66,7 +69,7 @@ def run_step(
     with (
         held_elsewhere.installed(stages, rank),
         held_here.installed(stages, rank),
-        collectives.deferred_sends(recorder.observe),
+        collectives.deferred_sends(recorder.observe) as sends,
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
         if len(held) > 1:
@@ -75,11 +78,14 @@ def run_step(
             scopes = [Scope(mb) for mb in mbs]
             for mb, scope in zip(mbs, scopes, strict=True):
                 scope.enter(mb.context)
-            for action in todo:
+            receives = early_receives.start(sends, schedule, microbatches, stages)
+            for index, action in enumerate(todo):
                 mb = mbs[action.microbatch]
                 start = time.monotonic()
+                receives.before(index)
                 mb.context.run(run_action, action, scopes[action.microbatch], build)
                 recorder.add(action, start, time.monotonic())
+            receives.finish()
     for mb in mbs:
         mb.release()
     ranks = (rank,) if holder is not None else ()
