@@ -53,15 +53,21 @@
 # message. Inside ``deferred_sends()`` a caller may post receives before the
 # program asks for them (``post_early``): gloo then moves the data while this
 # rank computes, and the program's receive takes it from there. Gloo matches
-# the messages between two ranks on one group in posting order, and a receive
-# always takes the oldest one posted early for its group and peer, so the n-th
-# receive gets the n-th message whoever posted it. It must have the shape and
-# dtype the program asks for: a receive whose buffer differs from what was
-# posted raises. The buffers of early receives stay alive while gloo may write
-# them, also after a failure. Only gloo (CPU) receives are posted early: NCCL
-# runs a group's sends and receives in order on one stream, so an early receive
-# would hold back this rank's sends. sbpflow/nn/pipeline/runtime/_early.py says
-# which receives a pipelined step posts early.
+# the messages between two ranks on one group in posting order, and every
+# receive of a transfer (in a pipelined step or not) first takes the oldest
+# receive posted early for its group and peer, so the n-th receive gets the
+# n-th message whoever posted it. It must be for the shape and dtype the
+# program asks for: a receive whose buffer differs raises (and the early
+# receive stays first in line). A receive posted early that no transfer of its
+# step takes (the step failed, or moved other tensors than the step it was
+# planned from) stays posted, with its buffer, for the next receive from that
+# peer on that group, whichever call makes it: posted receives cannot be
+# withdrawn, and a fresh receive behind it would get the message after the one
+# it waits for. They are dropped with the groups at teardown. Only gloo (CPU)
+# receives are posted early: NCCL runs a group's sends and receives in order on
+# one stream, so an early receive would hold back this rank's sends.
+# sbpflow/nn/pipeline/runtime/_early.py says which receives a pipelined step
+# posts early.
 """
 
 from __future__ import annotations
@@ -99,13 +105,14 @@ class Message:
 
 @dataclass(frozen=True)
 class Receive:
-    """One receive of a transfer: its group, the peer, and the buffer's shape, dtype and device."""
+    """One receive of a transfer: its group (device type, ranks, lane), the peer, and the
+    buffer's shape and dtype. It names the group rather than holding it, so a record of
+    receives never keeps a group alive past teardown."""
 
-    group: Any
+    route: tuple[Any, ...]
     peer: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device
 
 
 @dataclass
@@ -117,29 +124,18 @@ class DeferredSends:
     pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     # Called with each receive the block's transfers make, after its data arrived.
     on_receive: Callable[[Receive], None] | None = None
-    # Per (group, peer): the receives posted early and not yet taken, oldest first.
-    early: dict[tuple[int, int], deque[tuple[Receive, dist.Work, torch.Tensor]]] = field(
-        default_factory=dict
-    )
 
     def post_early(self, receives: Sequence[Receive]) -> None:
-        """Post ``receives`` now; the block's next receives from their peers take them."""
+        """Post ``receives`` now; the next receives from their peers take them (NOTE
+        [receives posted early]). Receives on a group not made (any more) are skipped."""
         for each in receives:
-            assert each.device.type == "cpu", "only gloo receives are posted early"
-            buffer = torch.empty(each.shape, dtype=each.dtype, device=each.device)
-            work = dist.irecv(buffer, each.peer, group=each.group)
+            handle = _handles.get(each.route)
+            if each.route[0] != "cpu" or handle is None or handle is _OUTSIDE:
+                continue
+            buffer = torch.empty(each.shape, dtype=each.dtype)
+            work = dist.irecv(buffer, each.peer, group=handle)
             assert work is not None, "irecv on a rank outside the group"
-            self.early.setdefault((id(each.group), each.peer), deque()).append((each, work, buffer))
-
-    def unclaimed(self) -> list[Receive]:
-        """The receives posted early that no transfer has taken."""
-        return [each for queue in self.early.values() for each, _, _ in queue]
-
-    def abandon(self) -> None:
-        """Keep every pending message's buffer alive without waiting (a failed step)."""
-        _abandoned.extend(self.pending)
-        _abandoned.extend((work, buffer) for q in self.early.values() for _, work, buffer in q)
-        self.pending, self.early = [], {}
+            _early.setdefault((each.route, each.peer), deque()).append((each, work, buffer))
 
     def wait(self) -> None:
         """Wait for every send posted so far (the receivers have taken the data)."""
@@ -154,7 +150,8 @@ _deferred: DeferredSends | None = None
 
 @contextlib.contextmanager
 def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterator[DeferredSends]:
-    """Inside the block, ``exchange`` does not wait for its sends (NOTE [deferred sends]).
+    """Inside the block, ``exchange`` does not wait for its sends (NOTE [deferred sends]),
+    and receives may be posted early (NOTE [receives posted early]).
 
     The sends are waited for when the block ends; when it raises they are left
     pending with their buffers kept alive. Blocks do not nest.
@@ -167,9 +164,9 @@ def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterato
         yield state
     except BaseException:
         # A failed step: its receivers may never come. Keep the sends' buffers alive (a
-        # pending send reads them; an early receive writes its) instead of waiting, so the
-        # error surfaces now.
-        state.abandon()
+        # pending send reads them) instead of waiting, so the error surfaces now.
+        _abandoned.extend(state.pending)
+        state.pending = []
         raise
     finally:
         _deferred = None
@@ -178,6 +175,11 @@ def deferred_sends(observer: Callable[[Message], None] | None = None) -> Iterato
 
 _abandoned: list[tuple[dist.Work, torch.Tensor]] = []
 on_teardown(_abandoned.clear)
+
+# Per (group route, peer): the receives posted early and not yet taken, oldest first, with
+# their buffers; they outlive the step that posted them (NOTE [receives posted early]).
+_early: dict[tuple[tuple[Any, ...], int], deque[tuple[Receive, dist.Work, torch.Tensor]]] = {}
+on_teardown(_early.clear)
 
 
 def exchange(
@@ -203,7 +205,9 @@ def exchange(
         return
     with named("send_recv", key[1]):
         if _deferred is not None:
-            _post(_deferred, sends, recvs, handle)
+            _post(_deferred, sends, recvs, handle, key)
+        elif _early and any(_early.get((key, peer)) for peer, _ in recvs):
+            _exchange_behind_early(sends, recvs, handle, key)
         elif sends or recvs:
             ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=handle) for peer, t in sends]
             ops += [dist.P2POp(dist.irecv, buf, peer, group=handle) for peer, buf in recvs]
@@ -246,11 +250,28 @@ def _resolve(device_type: str, ranks: Sequence[int], lane: tuple[Hashable, int] 
     return found[1]
 
 
+def _exchange_behind_early(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    handle: dist.ProcessGroup,
+    key: tuple[Any, ...],
+) -> None:
+    """A transfer outside a pipelined step while receives posted early wait on its group:
+    post the sends, receive one by one (the early receives first), wait for the sends."""
+    works = [dist.isend(t.contiguous(), peer, group=handle) for peer, t in sends]
+    for peer, buffer in recvs:
+        _receive(buffer, peer, handle, key)
+    for work in works:
+        assert work is not None, "isend from a rank outside the group"
+        work.wait()
+
+
 def _post(
     state: DeferredSends,
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     handle: dist.ProcessGroup | None,
+    key: tuple[Any, ...],
 ) -> None:
     """Post the sends (kept in ``state``), then receive; report each message."""
     observe = state.observer
@@ -265,19 +286,25 @@ def _post(
             observe(Message("send", peer, _nbytes(data), start, time.monotonic()))
     for peer, buffer in recvs:
         start = time.monotonic()
-        early = state.early.get((id(handle), peer))
-        if early:  # NOTE [receives posted early]
-            _take_early(early, buffer)
-        else:
-            work = dist.irecv(buffer, peer, group=handle)
-            assert work is not None, "irecv on a rank outside the group"
-            work.wait()
+        _receive(buffer, peer, handle, key)
         if observe is not None:
             observe(Message("recv", peer, _nbytes(buffer), start, time.monotonic()))
         if state.on_receive is not None:
-            state.on_receive(
-                Receive(handle, peer, tuple(buffer.shape), buffer.dtype, buffer.device)
-            )
+            state.on_receive(Receive(key, peer, tuple(buffer.shape), buffer.dtype))
+
+
+def _receive(
+    buffer: torch.Tensor, peer: int, handle: dist.ProcessGroup | None, key: tuple[Any, ...]
+) -> None:
+    """Receive the next message from ``peer`` into ``buffer``: through the oldest receive
+    posted early for that peer and group if one waits (NOTE [receives posted early])."""
+    early = _early.get((key, peer)) if _early else None
+    if early:
+        _take_early(early, buffer)
+        return
+    work = dist.irecv(buffer, peer, group=handle)
+    assert work is not None, "irecv on a rank outside the group"
+    work.wait()
 
 
 def _take_early(
@@ -292,10 +319,10 @@ def _take_early(
             f"{posted.shape} {posted.dtype} tensor: this step's transfers differ from those "
             "of the previous step with inputs of the same shapes (NOTE [receives posted early]). "
             "A pipelined build whose transfers depend on its data needs "
-            "graph.config.enable_early_receives(False)."
+            "graph.config.enable_early_receives(False) from its first step on."
         )
+    work.wait()  # a timeout leaves it first in line, its buffer kept
     early.popleft()
-    work.wait()
     buffer.copy_(data)
 
 

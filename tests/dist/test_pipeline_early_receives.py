@@ -6,6 +6,11 @@ On 2 ranks, a 2-stage model through ``sbpflow.nn.Graph`` with GPipe and 1F1B:
 - from the second step with inputs of the same shapes on, each rank posts receives early
   (rank 1 the next activation, rank 0 the next gradient), and training equals plain torch on
   one process within 1e-5, with early receives and without;
+- with a weight tied between the stages and micro-batches as wide as it, every action moves
+  two messages of one shape, so only taking the receives in the order they were posted gives
+  plain torch's training;
+- a step that fails on every rank (a bad micro-batch the caller skips) leaves receives posted
+  early; the next steps train exactly as with early receives off;
 - a build whose transfers change between steps with the same input shapes raises on the
   rank that receives (naming ``enable_early_receives(False)``), the other rank's wait ends
   in a ``CollectiveError`` within the collective timeout, and with
@@ -34,9 +39,25 @@ TIMEOUT_S = 10
 WITHIN_S = 3 * TIMEOUT_S  # the timeout, plus process start and the harness's polling
 
 
-def _model() -> nn.Sequential:
+class Tied(nn.Sequential):
+    """Two stages; with ``tied_to`` set, the output is multiplied by stage 0's weight,
+    moved to that placement (a weight tied between the first and the last stage)."""
+
+    tied_to: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        if self.tied_to is None:
+            return h
+        weight = self[0][0].weight
+        if isinstance(weight, sbpflow.GlobalTensor):
+            weight = weight.to_global(self.tied_to, B)
+        return h @ weight
+
+
+def _model() -> Tied:
     torch.manual_seed(0)
-    return nn.Sequential(
+    return Tied(
         nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     )
 
@@ -61,19 +82,21 @@ class TrainGraph(sbpflow.nn.Graph):
         return loss
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(rows: int = 8, steps: int = _STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(2)
     return [
-        (torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(_STEPS)
+        (torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen))
+        for _ in range(steps)
     ]
 
 
-def _reference() -> tuple[list[float], list[torch.Tensor]]:
+def _reference(tied: bool = False, rows: int = 8) -> tuple[list[float], list[torch.Tensor]]:
     """The same training in plain torch on this process: each micro-batch's loss / M."""
     model = _model()
+    model.tied_to = "here" if tied else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
-    for x, y in _batches():
+    for x, y in _batches(rows):
         total = 0.0
         for xm, ym in zip(x.chunk(_M), y.chunk(_M), strict=True):
             loss = F.mse_loss(model(xm), ym)
@@ -85,13 +108,16 @@ def _reference() -> tuple[list[float], list[torch.Tensor]]:
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def train_job(schedule: str, early: bool) -> dict[str, Any]:
+def train_job(schedule: str, early: bool, tied: bool = False) -> dict[str, Any]:
     """Train _STEPS steps; the losses, the weights, the receives posted early per step, and
-    plain torch's losses and weights."""
+    plain torch's losses and weights. ``tied``: stage 0's weight also used on stage 1, and
+    micro-batches of 8 rows (the weight's shape)."""
     placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
     model = _model()
     for stage, placement in zip(model, placements, strict=True):
         stage.to_global(placement, B)
+    rows = 4 * _M if tied else 8
+    model.tied_to = placements[1] if tied else None
     graph = TrainGraph(model, placements, schedule)
     graph.config.enable_early_receives(early)
     both = sbpflow.placement("cpu", [0, 1])
@@ -105,7 +131,7 @@ def train_job(schedule: str, early: bool) -> dict[str, Any]:
     collectives.DeferredSends.post_early = post_early  # type: ignore[method-assign]
     try:
         losses, per_step = [], []
-        for x, y in _batches():
+        for x, y in _batches(rows):
             posted[0] = 0
             loss = graph(x.to_global(placements[0], B), y.to_global(placements[1], B))
             losses.append(loss.to_global(both, B).to_local().item())
@@ -113,7 +139,7 @@ def train_job(schedule: str, early: bool) -> dict[str, Any]:
     finally:
         collectives.DeferredSends.post_early = original  # type: ignore[method-assign]
     weights = [p.detach().to_global(both, B).to_local() for p in model.parameters()]
-    ref_losses, ref_weights = _reference()
+    ref_losses, ref_weights = _reference(tied, rows)
     return {
         "losses": losses,
         "weights": weights,
@@ -139,6 +165,63 @@ def test_training_equals_one_process_and_posts_receives_early(schedule: str, ear
         assert got["losses"] == pytest.approx(got["ref_losses"], abs=_TOL, rel=_TOL), rank
         for a, b in zip(got["weights"], got["ref_weights"], strict=True):
             assert (a - b).abs().max().item() <= _TOL, rank
+
+
+def test_a_tied_weight_as_wide_as_the_micro_batches_trains_exactly() -> None:
+    """Each forward moves the activation and the tied weight, both 8 x 8, from rank 0 to
+    rank 1 (and their gradients back): 2 receives per action, posted early two at a time."""
+    for rank, got in enumerate(get_pool(2).run(train_job, "1f1b", True, True)):
+        assert got["posted"] == [0] + [2 * (_M if rank == 0 else _M - 1)] * (_STEPS - 1), rank
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=_TOL, rel=_TOL), rank
+        for a, b in zip(got["weights"], got["ref_weights"], strict=True):
+            assert (a - b).abs().max().item() <= _TOL, rank
+
+
+class FailingGraph(TrainGraph):
+    """Raises in build on its ``fail_at``-th call (on every rank: the same program)."""
+
+    fail_at = -1
+    calls = 0
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyError("a bad micro-batch")
+        return super().build(x, y)
+
+
+def recovering_job(early: bool) -> list[Any]:
+    """GPipe steps whose second fails at its last micro-batch (rank 1 has posted that
+    micro-batch's receive early); the caller skips the batch and goes on."""
+    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
+    both = sbpflow.placement("cpu", [0, 1])
+    model = _model()
+    for stage, placement in zip(model, placements, strict=True):
+        stage.to_global(placement, B)
+    graph = FailingGraph(model, placements, "gpipe")
+    graph.config.enable_early_receives(early)
+    graph.fail_at = 2 * _M
+    out: list[Any] = []
+    for x, y in _batches(steps=4):
+        try:
+            loss = graph(x.to_global(placements[0], B), y.to_global(placements[1], B))
+            out.append(loss.to_global(both, B).to_local().item())
+        except KeyError as error:
+            out.append(str(error))
+    return out
+
+
+def test_steps_after_a_failed_step_train_as_without_early_receives(
+    private_pool: DistributedPool,
+) -> None:
+    """The receive rank 1 posted early for the failed step's last micro-batch takes the next
+    step's first activation, as the receive rank 1 would have posted for it."""
+    off = private_pool.run(recovering_job, False)
+    on = private_pool.run(recovering_job, True)
+    for rank in (0, 1):
+        assert on[rank][1] == off[rank][1] == "'a bad micro-batch'", (rank, on, off)
+        trained_on, trained_off = on[rank][:1] + on[rank][2:], off[rank][:1] + off[rank][2:]
+        assert trained_on == pytest.approx(trained_off, abs=_TOL, rel=_TOL), (rank, on, off)
 
 
 def changing_job(early: bool) -> list[float]:

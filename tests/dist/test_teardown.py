@@ -47,11 +47,37 @@ def _train_one_data_parallel_step() -> None:
     _kept.append(model)
 
 
+class _TwoStages(sbpflow.nn.Graph):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+        for s in (0, 1):
+            placement = sbpflow.placement("cpu", [s])
+            self.model[s].to_global(placement, broadcast)
+            self.model[s].config.set_stage(s, placement)
+        self.config.set_gradient_accumulation_steps(2)
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+
+
+def _train_two_pipelined_steps() -> None:
+    """Two pipelined steps (the second posts receives early), the graph kept alive."""
+    graph = _TwoStages()
+    for _ in range(2):
+        graph(torch.ones(4, 3).to_global(sbpflow.placement("cpu", [0]), broadcast))
+    _kept.append(graph)
+
+
 def _box_train_then_run_the_exit_handlers() -> tuple[bool, int, int]:
     world = sbpflow.env.get_world_size()
     x = torch.ones(2, 3).to_global(sbpflow.placement("cpu", list(range(world))), split(0))
     _kept.append(x.to_global(sbp=broadcast))  # groups, a gathered meta check, an all_gather
     _train_one_data_parallel_step()
+    _train_two_pipelined_steps()
     on_default_group = any(h is dist.group.WORLD for h in _groups._groups.values())
     before = _gloo_threads()
     _world._teardown_at_exit()

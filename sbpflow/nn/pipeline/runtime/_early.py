@@ -9,18 +9,18 @@
 # on every micro-batch. So a step posts the next action's receives while the
 # current one computes (NOTE [receives posted early] in sbpflow/comm/_p2p.py):
 # once action i has made as many receives as it made in the previous step,
-# action i + 1's receives of the previous step are posted. The previous step
-# is the latest one with the same schedule, micro-batch shapes, grad mode,
-# autocast, and parameters' ``requires_grad`` and modules' training flags: a
-# ``build`` that moves the same tensors for inputs of the same shapes (what a
-# pipeline's stand-ins already rely on, NOTE [stages held elsewhere]) makes the
-# same receives in the same order, so every message lands in a receive of its
-# own shape. Where a step's receives differ after all, the receive taking a
-# message of another shape, or a receive posted early that nothing took by the
-# end of the step, raises (``Graph.config.enable_early_receives(False)`` turns
-# the posting off for a ``build`` whose transfers depend on its data). Only a
-# rank holding one stage posts early, and only gloo receives: on a rank with
-# several stages the worker threads' order decides which receive comes next.
+# action i + 1's receives of that step are posted. The previous step is the
+# latest one with the same schedule, micro-batch shapes, grad mode, autocast,
+# and the stages' parameter and buffer layouts, ``requires_grad`` and training
+# flags: a ``build`` that moves the same tensors for inputs of the same shapes
+# (what a pipeline's stand-ins already rely on, NOTE [stages held elsewhere])
+# makes the same receives in the same order. Whatever a step does, each message
+# still lands in the receive the program makes for it (receives are taken in
+# posting order); a receive whose buffer has another shape than the one posted
+# early for its message raises, naming ``Graph.config.enable_early_receives``
+# for a ``build`` whose transfers depend on its data. Only a rank holding one
+# stage posts early, and only gloo receives: on a rank with several stages the
+# worker threads' order decides which receive comes next.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class EarlyReceives:
         key = _step_key(schedule, microbatches, stages) if self.enabled else None
         return StepReceives(self, key, sends, self._made.get(key) if key is not None else None)
 
-    def _keep(self, key: Any, made: list[list[Receive]]) -> None:
-        if all(r.device.type == "cpu" for action in made for r in action):
+    def keep(self, key: Any, made: list[list[Receive]]) -> None:
+        """Keep the receives each action of a step of kind ``key`` made."""
+        if all(r.route[0] == "cpu" for action in made for r in action):
             self._made.pop(key, None)
             self._made[key] = made
             while len(self._made) > KEPT_STEPS:
@@ -72,7 +73,11 @@ class EarlyReceives:
 
 
 class StepReceives:
-    """One step's receives per action; posts action i + 1's once action i has made its own."""
+    """One step's receives per action; posts action i + 1's once action i has made its own.
+
+    A step that raises never reaches ``finish``: its receives are not kept, and those it
+    posted early wait for the next receives from their peers (NOTE [receives posted early]).
+    """
 
     def __init__(
         self,
@@ -108,20 +113,10 @@ class StepReceives:
             self._sends.post_early(then[1])
 
     def finish(self) -> None:
-        """Check every receive posted early was taken; keep this step's receives."""
+        """The step ran to its end: keep its receives for the next step of its kind."""
         self._sends.on_receive = None
-        unclaimed = self._sends.unclaimed()
-        if unclaimed:
-            described = ", ".join(f"{r.shape} {r.dtype} from rank {r.peer}" for r in unclaimed)
-            raise RuntimeError(
-                f"this step posted receives early for {described}, as the previous step with "
-                "inputs of the same shapes received them, but no transfer of this step took "
-                "them: build moved other tensors between stages this time. A build whose "
-                "transfers depend on its data needs graph.config.enable_early_receives(False) "
-                "(NOTE [next action's receives])."
-            )
         if self._key is not None:
-            self._owner._keep(self._key, self._made)
+            self._owner.keep(self._key, self._made)
 
 
 def _step_key(
@@ -143,6 +138,9 @@ def _step_key(
             else:
                 return None
     modules = [m for stage in stages for m in stage.module.modules()]
+    tensors = [
+        t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+    ]
     key = (
         id(schedule),
         tuple(leaves),
@@ -150,10 +148,16 @@ def _step_key(
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
         tuple(m.training for m in modules),
-        tuple(p.requires_grad for m in modules for p in m._parameters.values() if p is not None),
+        tuple(_tensor_kind(t) for t in tensors),
     )
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _tensor_kind(t: torch.Tensor) -> Any:
+    if isinstance(t, GlobalTensor):
+        return (t._meta, t.requires_grad)
+    return (tuple(t.shape), t.dtype, t.requires_grad)
