@@ -73,7 +73,7 @@ def user_site() -> str:
     return "an unknown line"
 
 
-def _store() -> dist.Store | None:
+def default_store() -> dist.Store | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     try:
@@ -86,7 +86,7 @@ def publish(call: str, site: str) -> None:
     """Tell the other ranks that this rank is now in ``call`` at ``site`` (a user's line)."""
     global _current
     _current = (call, site)
-    store = _store()
+    store = default_store()
     if store is not None:
         with contextlib.suppress(RuntimeError, OSError):
             store.set(f"{_KEY}{dist.get_rank()}", f"{call} at {site}")
@@ -94,7 +94,7 @@ def publish(call: str, site: str) -> None:
 
 def others_calls() -> dict[int, str]:
     """The latest call each other rank published (ranks that published none are left out)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return {}
     me, found = dist.get_rank(), {}

@@ -7,6 +7,20 @@ its ``Mesh``: NOTE [meshes] in _mesh.py).
 # asks for the same groups in the same order: callers pass *all* groups of a
 # step (every group along a placement axis), and each rank creates the ones it
 # has not seen yet, in the order given.
+#
+# NOTE [group agreement]
+# torch names a group by how many groups the process made before it, so two
+# ranks that create different groups at the same point (two pipelines on
+# disjoint ranks, each called only on its own ranks; a branch on the rank
+# around a global op) would both make "the n-th group", pass torch's barrier
+# together and rendezvous over the same store keys: a hang, or ranks connected
+# to another group's peers. So before ``new_group`` each rank publishes on the
+# store which group it creates as its n-th and reads every other rank's n-th:
+# any difference is an error on every rank, at once, naming what each rank
+# created and where each rank was (NOTE [what the ranks were doing] in
+# _errors.py); a rank that creates no n-th group within the collective timeout
+# is named with its last call. Group creation is rare (once per group), so the
+# store round trips cost nothing in a step.
 """
 
 from __future__ import annotations
@@ -15,9 +29,11 @@ from collections.abc import Hashable, Sequence
 
 import torch.distributed as dist
 
-from ._world import ensure_initialized, on_teardown, timeout_delta
+from ._errors import CollectiveError, default_store, others_calls, user_site
+from ._world import ensure_initialized, on_teardown, timeout_delta, timeout_seconds
 
 _groups: dict[tuple[str, tuple[int, ...], Hashable], dist.ProcessGroup | None] = {}
+_created = [0]  # groups this rank has asked to create in this world (NOTE [group agreement])
 
 
 def backend_for(device_type: str) -> str:
@@ -39,7 +55,7 @@ def group_of(
     for ranks in groups:
         key = (backend, tuple(ranks), lane)
         if key not in _groups:
-            _groups[key] = _new_group(backend, ranks, own=lane is not None)
+            _groups[key] = _new_group(backend, ranks, lane)
         if rank in ranks:
             mine = (tuple(ranks), _groups[key])
     return mine
@@ -52,6 +68,7 @@ def _forget_groups() -> None:
     """Drop the cached groups so that they are freed now (NOTE [teardown])."""
     _groups.clear()
     _world_handles.clear()
+    _created[0] = 0
 
 
 on_teardown(_forget_groups)
@@ -69,13 +86,55 @@ def world_group(device_type: str) -> dist.ProcessGroup | None:
     return found[1]
 
 
-def _new_group(backend: str, ranks: Sequence[int], own: bool = False) -> dist.ProcessGroup | None:
+def _new_group(backend: str, ranks: Sequence[int], lane: Hashable) -> dist.ProcessGroup | None:
     world_size = dist.get_world_size()
     if len(ranks) == 1 and backend == "gloo":
         return None
     world = tuple(range(world_size))
+    own = lane is not None
     if not own and backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
         return dist.group.WORLD
+    _agree(_describe(backend, ranks, lane))
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
     return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
+
+
+def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:
+    lanes = "" if lane is None else f" (a transfer lane of its own, {lane!r})"
+    return f"a {backend} group of ranks {list(ranks)}{lanes}"
+
+
+def _agree(group: str) -> None:
+    """Check every rank creates ``group`` as its next group (NOTE [group agreement])."""
+    store = default_store()
+    n = _created[0]
+    _created[0] += 1
+    if store is None:
+        return
+    me, world_size = dist.get_rank(), dist.get_world_size()
+    keys = [f"sbpflow/group/{n}/{rank}" for rank in range(world_size)]
+    store.set(keys[me], group)
+    where = user_site()
+    try:
+        store.wait(keys, timeout_delta())
+    except (RuntimeError, OSError) as error:  # DistStoreError subclasses RuntimeError
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        doing = "; ".join(f"rank {r} was last in {c}" for r, c in sorted(others_calls().items()))
+        raise CollectiveError(
+            f"sbpflow: rank {me} creates {group} at {where}, which every rank must create "
+            f"together (a group is made by the whole world), but rank(s) {missing} created no "
+            f"group for {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): every rank must make the "
+            "same sbpflow calls, so look for a branch only some ranks take. "
+            f"{doing + '.' if doing else ''}"
+        ) from error
+    created = {rank: store.get(key).decode() for rank, key in enumerate(keys)}
+    if any(other != group for other in created.values()):
+        each = "; ".join(f"rank {rank} creates {other}" for rank, other in created.items())
+        raise CollectiveError(
+            f"sbpflow: the ranks create different groups at the same point ({each}); rank {me} "
+            f"is at {where}. Every rank must make the same sbpflow calls in the same order "
+            "(a group is made by the whole world): look for a branch only some ranks take, e.g. "
+            "each pipeline called only on its own ranks; call every graph and global op on "
+            "every rank (the ranks outside a placement skip its work)."
+        )
