@@ -10,17 +10,24 @@ its ``Mesh``: NOTE [meshes] in _mesh.py).
 #
 # NOTE [group agreement]
 # torch names a group by how many groups the process made before it, so two
-# ranks that create different groups at the same point (two pipelines on
-# disjoint ranks, each called only on its own ranks; a branch on the rank
-# around a global op) would both make "the n-th group", pass torch's barrier
-# together and rendezvous over the same store keys: a hang, or ranks connected
-# to another group's peers. So before ``new_group`` each rank publishes on the
-# store which group it creates as its n-th and reads every other rank's n-th:
-# any difference is an error on every rank, at once, naming what each rank
-# created and where each rank was (NOTE [what the ranks were doing] in
-# _errors.py); a rank that creates no n-th group within the collective timeout
-# is named with its last call. Group creation is rare (once per group), so the
-# store round trips cost nothing in a step.
+# ranks that create different groups at the same point (two pipelines built on
+# every rank but each called only on its own ranks; a branch on the rank around
+# a global op) would both make "the n-th group" and rendezvous over the same
+# store keys: a connect timeout on some ranks while others go on, or ranks
+# connected to another group's peers. So before ``new_group`` each rank
+# publishes on the store which group it creates as its n-th, and compares it
+# with the n-th of every rank that has published one: any difference raises,
+# naming what each rank created and where this rank is. The group's members
+# first wait for each other's entry (they meet in the group's rendezvous
+# anyway; a member that creates none within the collective timeout is named
+# with its last call). The other ranks do not wait: ranks make a group they are
+# not in at different times (a pipeline's lanes are made by its first transfer,
+# which the ranks reach one after another), and a rank that waited for them
+# there could wait for a rank that waits for it. So of two ranks that disagree,
+# the later one raises at once; the earlier one raises when it next meets the
+# later one, and never runs on a group made with the wrong peers. Group
+# creation is rare (once per group), so the store round trips cost nothing in a
+# step.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def _new_group(backend: str, ranks: Sequence[int], lane: Hashable) -> dist.Proce
     own = lane is not None
     if not own and backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
         return dist.group.WORLD
-    _agree(_describe(backend, ranks, lane))
+    _agree(_describe(backend, ranks, lane), ranks)
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
     return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
@@ -105,8 +112,8 @@ def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:
     return f"a {backend} group of ranks {list(ranks)}{lanes}"
 
 
-def _agree(group: str) -> None:
-    """Check every rank creates ``group`` as its next group (NOTE [group agreement])."""
+def _agree(group: str, members: Sequence[int]) -> None:
+    """Check the ranks that created their n-th group created ``group`` (NOTE [group agreement])."""
     store = default_store()
     n = _created[0]
     _created[0] += 1
@@ -116,25 +123,27 @@ def _agree(group: str) -> None:
     keys = [f"sbpflow/group/{n}/{rank}" for rank in range(world_size)]
     store.set(keys[me], group)
     where = user_site()
-    try:
-        store.wait(keys, timeout_delta())
-    except (RuntimeError, OSError) as error:  # DistStoreError subclasses RuntimeError
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        doing = "; ".join(f"rank {r} was last in {c}" for r, c in sorted(others_calls().items()))
-        raise CollectiveError(
-            f"sbpflow: rank {me} creates {group} at {where}, which every rank must create "
-            f"together (a group is made by the whole world), but rank(s) {missing} created no "
-            f"group for {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): every rank must make the "
-            "same sbpflow calls, so look for a branch only some ranks take. "
-            f"{doing + '.' if doing else ''}"
-        ) from error
-    created = {rank: store.get(key).decode() for rank, key in enumerate(keys)}
+    if me in members:  # the members meet in the group's rendezvous anyway
+        try:
+            store.wait([keys[rank] for rank in members], timeout_delta())
+        except (RuntimeError, OSError) as error:  # DistStoreError subclasses RuntimeError
+            missing = [rank for rank in members if not store.check([keys[rank]])]
+            doing = "; ".join(
+                f"rank {r} was last in {c}" for r, c in sorted(others_calls().items())
+            )
+            raise CollectiveError(
+                f"sbpflow: rank {me} creates {group} at {where}, but rank(s) {missing} created "
+                f"no group for {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): every rank must make "
+                "the same sbpflow calls in the same order, so look for a branch only some ranks "
+                f"take. {doing + '.' if doing else ''}"
+            ) from error
+    created = {rank: store.get(key).decode() for rank, key in enumerate(keys) if store.check([key])}
     if any(other != group for other in created.values()):
         each = "; ".join(f"rank {rank} creates {other}" for rank, other in created.items())
         raise CollectiveError(
             f"sbpflow: the ranks create different groups at the same point ({each}); rank {me} "
             f"is at {where}. Every rank must make the same sbpflow calls in the same order "
-            "(a group is made by the whole world): look for a branch only some ranks take, e.g. "
-            "each pipeline called only on its own ranks; call every graph and global op on "
-            "every rank (the ranks outside a placement skip its work)."
+            "(each rank makes every group, members or not): look for a branch only some ranks "
+            "take, e.g. each pipeline called only on its own ranks; call every graph and global "
+            "op on every rank (the ranks outside a placement skip its work)."
         )

@@ -1,10 +1,18 @@
-"""Ranks that would create different groups at the same point raise on every rank
-(NOTE [group agreement] in sbpflow/comm/_groups.py), instead of hanging in torch's group
-rendezvous or connecting to another group's ranks.
+"""Ranks that would create different groups at the same point raise (NOTE [group agreement]
+in sbpflow/comm/_groups.py), instead of meeting in torch's group rendezvous with the wrong
+peers or waiting there until gloo's connect timeout.
 
-On 4 ranks: two 2-stage pipelines (ranks 0-1 and ranks 2-3), each called only on its own
-ranks, raise on all 4 ranks at their first transfer, naming both groups; a global op that
-one rank skips raises on the other ranks within the collective timeout, naming that rank.
+On 4 ranks:
+- two 2-stage pipelines (ranks 0-1 and ranks 2-3), built on every rank but each called only on
+  its own ranks: the ranks of at least one pipeline raise at their first transfer, naming both
+  groups, and a rank that does not raise has computed its pipeline's loss exactly;
+- a ZBV pipeline of 8 stages (two per rank, in a V), whose ranks make the groups of its
+  transfers at different times (a rank makes the group of two other ranks while those wait
+  for each other's data), trains as plain torch does: the check never waits for a rank
+  outside the group it makes;
+- a group ranks 0-2 make and rank 3 skips: rank 3 raises at once at the next group every rank
+  makes; ranks 0-2 raise naming rank 3, at once if rank 3's entry is there when they compare,
+  else when its members' wait times out.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
+from sbpflow.comm import _groups
 from sbpflow.comm._errors import CollectiveError
-from sbpflow.sbp import broadcast, split
+from sbpflow.sbp import broadcast
 from sbpflow.testing import DistributedPool, RemoteError
 
 TIMEOUT_S = 5
@@ -45,7 +54,8 @@ class TwoStages(sbpflow.nn.Graph):
 
 def own_pipelines_only() -> Any:
     """Every rank builds both pipelines; ranks 0-1 call the one on ranks 0-1 and ranks 2-3
-    the one on ranks 2-3 (their first transfers would make their first groups)."""
+    the one on ranks 2-3 (their first transfers would make their first groups). Returns
+    the loss on the rank holding the last stage."""
     graphs = [TwoStages((0, 1)), TwoStages((2, 3))]
     batches = [
         (
@@ -54,22 +64,93 @@ def own_pipelines_only() -> Any:
         )
         for g in graphs
     ]
-    mine = 0 if sbpflow.env.get_rank() < 2 else 1
-    return graphs[mine](*batches[mine])
+    rank = sbpflow.env.get_rank()
+    mine = 0 if rank < 2 else 1
+    loss = graphs[mine](*batches[mine])
+    return loss.to_local().item() if rank in graphs[mine].placements[1] else None
+
+
+def _expected_loss() -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return F.mse_loss(model(torch.ones(4, 4)), torch.zeros(4, 4)).item()
+
+
+_V = [0, 1, 2, 3, 3, 2, 1, 0]  # the rank of each stage in a V
+
+
+class VShaped(sbpflow.nn.Graph):
+    """8 stages of Linear(4, 4) and tanh in a V over 4 ranks (ZBV); SGD."""
+
+    def __init__(self, model: nn.Sequential) -> None:
+        super().__init__()
+        self.model = model
+        for s, stage in enumerate(model):
+            placement = sbpflow.placement("cpu", [_V[s]])
+            stage.to_global(placement, broadcast)
+            self.model[s].config.set_stage(s, placement)
+        self.config.set_gradient_accumulation_steps(4)
+        self.config.set_pipeline_schedule("zbv")
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _stages() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)))
+
+
+def _steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(2)]
+
+
+def v_shaped_losses() -> list[float]:
+    graph = VShaped(_stages())
+    first, last = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [0])
+    every = sbpflow.placement("cpu", [0, 1, 2, 3])
+    return [
+        graph(x.to_global(first, broadcast), y.to_global(last, broadcast))
+        .to_global(every, broadcast)
+        .to_local()
+        .item()
+        for x, y in _steps()
+    ]
+
+
+def _plain_losses() -> list[float]:
+    model = _stages()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _steps():
+        total = 0.0
+        for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = F.mse_loss(model(xm), ym)
+            (loss / 4).backward()
+            total += loss.item() / 4
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
 
 
 def rank_three_skips() -> Any:
-    """Ranks 0-2 gather a tensor split over them; rank 3 goes on without."""
-    if sbpflow.env.get_rank() == 3:
-        return "skipped"
-    placement = sbpflow.placement("cpu", [0, 1, 2])
-    t = sbpflow.ones(6, placement=placement, sbp=split(0))
-    return t.to_global(placement, broadcast).to_local().sum().item()  # rank 3 skips this
+    """Ranks 0-2 make a group of ranks 0-2 that rank 3 skips (a lane of its own, so that it is
+    new); then every rank makes a group of all four."""
+    rank = sbpflow.env.get_rank()
+    if rank != 3:
+        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
+    _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+    return "made"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool() -> Iterator[DistributedPool]:
-    """A pool of its own: a failed group creation leaves groups other jobs must not meet."""
+    """A pool of its own per test: a failed group creation leaves the ranks' group counts apart."""
     with DistributedPool(4, timeout=60.0, env={"SBPFLOW_TIMEOUT": str(TIMEOUT_S)}) as pool:
         yield pool
 
@@ -82,23 +163,44 @@ def _message(error: Any) -> str:
     return str(error)
 
 
-def test_pipelines_called_on_their_own_ranks_raise_on_every_rank(pool: DistributedPool) -> None:
-    outcomes = pool.run_expect_errors(own_pipelines_only, timeout=WITHIN_S)
-    assert outcomes.elapsed < WITHIN_S, outcomes.elapsed
-    for rank, error in enumerate(outcomes):
-        message = _message(error)
-        assert "the ranks create different groups at the same point" in message, (rank, message)
-        assert "rank 0 creates a gloo group of ranks [0, 1]" in message, (rank, message)
-        assert "rank 2 creates a gloo group of ranks [2, 3]" in message, (rank, message)
+def test_pipelines_called_on_their_own_ranks_raise(pool: DistributedPool) -> None:
+    outcomes = list(pool.run_expect_errors(own_pipelines_only, timeout=WITHIN_S))
+    raised = [
+        rank
+        for rank, got in enumerate(outcomes)
+        if isinstance(got, BaseException)
+        and "the ranks create different groups at the same point" in _message(got)
+    ]
+    assert {0, 1} <= set(raised) or {2, 3} <= set(raised), outcomes
+    for rank in raised:
+        message = str(outcomes[rank])
+        assert "creates a gloo group of ranks [0, 1]" in message, (rank, message)
+        assert "creates a gloo group of ranks [2, 3]" in message, (rank, message)
         assert "test_group_agreement.py" in message, (rank, message)
+    for rank, got in enumerate(outcomes):
+        if not isinstance(got, BaseException) and got is not None:
+            assert got == pytest.approx(_expected_loss(), abs=1e-6), (rank, outcomes)
 
 
-def test_a_rank_that_skips_a_global_op_is_named(pool: DistributedPool) -> None:
+def test_a_pipeline_whose_ranks_make_its_groups_at_different_times_trains(
+    pool: DistributedPool,
+) -> None:
+    for rank, losses in enumerate(pool.run(v_shaped_losses)):
+        assert losses == pytest.approx(_plain_losses(), abs=1e-5, rel=1e-5), rank
+
+
+def test_a_rank_that_skipped_a_group_is_named(pool: DistributedPool) -> None:
     outcomes = pool.run_expect_errors(rank_three_skips, timeout=WITHIN_S)
     assert outcomes.elapsed < WITHIN_S, outcomes.elapsed
-    *gathering, skipping = list(outcomes)
-    assert skipping == "skipped"
-    for rank, error in enumerate(gathering):
+    *others, skipped = list(outcomes)
+    message = _message(skipped)
+    assert "the ranks create different groups at the same point" in message, message
+    assert "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message, message
+    assert "rank 0 creates a gloo group of ranks [0, 1, 2] (a transfer lane" in message, message
+    for rank, error in enumerate(others):
+        # Rank 3 made its entry before or after this rank compared: named either way.
         message = _message(error)
-        assert "creates a gloo group of ranks [0, 1, 2]" in message, (rank, message)
-        assert "rank(s) [3] created no group" in message, (rank, message)
+        assert (
+            "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message
+            or "rank(s) [3] created no group" in message
+        ), (rank, message)
