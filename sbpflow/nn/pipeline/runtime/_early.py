@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.utils._pytree import tree_flatten
 
-from ...._global import GlobalTensor
+from ....comm._world import get_rank
 from ....comm.collectives import DeferredSends, Receive
-from ._held_elsewhere import CONSTANTS
+from ._held_elsewhere import call_key
+from ._held_here import tensor_state
 from ._microbatch import MicroBatchArgs
 from ._stages import Stage
 
@@ -123,41 +123,15 @@ def _step_key(
     schedule: Any, microbatches: Sequence[MicroBatchArgs], stages: Sequence[Stage]
 ) -> Any:
     """What a step's transfers may depend on, hashable; ``None`` if its inputs are not all
-    tensors and constants."""
-    leaves: list[Any] = []
-    for args, kwargs in microbatches:
-        flat, spec = tree_flatten((args, kwargs))
-        leaves.append(spec)
-        for x in flat:
-            if isinstance(x, GlobalTensor):
-                leaves.append((x._meta, x.requires_grad))
-            elif isinstance(x, torch.Tensor):
-                leaves.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
-            elif isinstance(x, CONSTANTS):
-                leaves.append((type(x), x))
-            else:
-                return None
+    tensors and constants (the key of a stage's call, over the whole step)."""
     modules = [m for stage in stages for m in stage.module.modules()]
     tensors = [
         t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
     ]
-    key = (
+    state = (
         id(schedule),
-        tuple(leaves),
-        torch.is_grad_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
         tuple(m.training for m in modules),
-        tuple(_tensor_kind(t) for t in tensors),
+        tuple(tensor_state(t) for t in tensors),
     )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _tensor_kind(t: torch.Tensor) -> Any:
-    if isinstance(t, GlobalTensor):
-        return (t._meta, t.requires_grad)
-    return (tuple(t.shape), t.dtype, t.requires_grad)
+    flat, spec = tree_flatten(list(microbatches))
+    return call_key(state, flat, spec, get_rank(), held=True)

@@ -124,8 +124,8 @@ class HeldHere:
         )
         state = (
             stage.stage_id,
-            tuple(_tensor_state(p) for _, _, p in params),
-            tuple(_tensor_state(b) for _, _, b in buffers),
+            tuple(tensor_state(p) for _, _, p in params),
+            tuple(tensor_state(b) for _, _, b in buffers),
             tuple(m.training for m in module.modules()),
         )
 
@@ -276,7 +276,7 @@ def _whole_here(layout: Layout, rank: int) -> bool:
     return len(placement.flat_ranks) == 1 or all(isinstance(s, Broadcast) for s in layout.sbp)
 
 
-def _tensor_state(t: torch.Tensor) -> Any:
+def tensor_state(t: torch.Tensor) -> Any:
     if isinstance(t, GlobalTensor):
         return (t._meta, t.requires_grad)
     return (tuple(t.shape), t.dtype, t.requires_grad)
