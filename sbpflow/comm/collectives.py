@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sbpflow_kernels import pad_chunks
+
 from . import _functional
 from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
@@ -236,6 +238,8 @@ def reduce_scatter(
     moved = block.movedim(dim, 0)
     if order is None and all(s == longest for s in sizes):
         src = moved.contiguous()
+    elif order is None and dim == 0 and block.is_cuda:
+        src = pad_chunks(moved, sizes)  # one kernel with CuPy (sbpflow_kernels)
     else:
         chunks = torch.split(moved, list(sizes), dim=0)
         members = order or range(len(ranks))

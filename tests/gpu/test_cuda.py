@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("sizes", [[4, 3, 3, 3], [1, 1, 0, 0], [7, 6]])
+@pytest.mark.parametrize("sizes", [[4, 3, 3, 3], [1, 1, 0, 0], [7, 6], [5, 4, 4, 4, 0]])
 def test_pad_chunks_cupy_matches_reference(sizes):
     """The CuPy kernel's result equals the CPU reference path."""
     import sbpflow_kernels
@@ -22,6 +22,39 @@ def test_pad_chunks_cupy_matches_reference(sizes):
     got = sbpflow_kernels.pad_chunks(rows.cuda(), sizes)
     torch.cuda.synchronize()
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize(
+    "dtype,row_shape",
+    [
+        (torch.float32, (4,)),  # 16-byte rows
+        (torch.float32, (3,)),  # 12-byte rows: 4-byte words
+        (torch.bfloat16, (5,)),  # 10-byte rows: 2-byte words
+        (torch.uint8, (7,)),  # 7-byte rows: bytes
+        (torch.float64, (1,)),  # 8-byte rows
+        (torch.bfloat16, (64, 33)),  # wide rows
+    ],
+    ids=str,
+)
+def test_pad_chunks_every_word_size_matches_reference(dtype, row_shape):
+    """Each word width of the CuPy kernel (NOTE [vectorized padding]) gives the torch path's
+    buffer, also for a source that starts at an odd offset of its storage."""
+    import sbpflow_kernels
+    from sbpflow_kernels.pack import _is_balanced, pad_chunks_torch
+
+    if not sbpflow_kernels.cupy_available():
+        pytest.skip("CuPy is not installed")
+    sizes = [4, 4, 3, 3, 3]  # balanced: the kernel's case
+    base = (torch.rand(sum(sizes) + 1, *row_shape) * 100).to(dtype)
+    assert _is_balanced(sizes)
+    on_device = base.cuda()
+    for source, plain in ((on_device[1:], base[1:]), (on_device[:-1], base[:-1])):
+        # on_device[1:] starts one row into its storage: narrower words where rows are odd
+        got = sbpflow_kernels.pad_chunks(source, sizes)
+        torch.cuda.synchronize()
+        expected = pad_chunks_torch(plain, sizes)
+        assert expected.shape == (len(sizes) * max(sizes), *row_shape)
+        assert torch.equal(got.cpu(), expected)
 
 
 def test_nccl_world_of_one_boxing_matches_single_process():
