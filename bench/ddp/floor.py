@@ -7,7 +7,7 @@ each once, in an order rotating from one repetition to the next):
 
 - **plain**: the model and batch as plain tensors;
 - **floor**: every parameter and the batch wrapped in the minimal ``__torch_dispatch__``
-  subclass of ``bench/dispatch/run.py`` (``Floor``: unwrap, run the op, wrap; no layouts):
+  subclass of ``bench/_floor.py`` (``Floor``: unwrap, run the op, wrap; no layouts):
   the least any eager tensor subclass in Python pays per op, a floor for any
   framework whose global tensor is one (sbpflow's, DTensor);
 - **sbpflow**: ``model.to_global(placement, broadcast)`` on a one-rank placement, the batch
@@ -42,25 +42,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._floor import Floor, floor_model  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from bench.ddp.run import RES_BATCH, RES_DIM, _step_fn, make_residual  # noqa: E402
-from bench.dispatch.run import Floor  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
 FORMS = ("plain", "floor", "sbpflow")
 WARMUP = 5
 SECTION_START, SECTION_END = "<!-- bench:ddp-floor:start -->", "<!-- bench:ddp-floor:end -->"
-
-
-def _floor_model(base: nn.Module) -> nn.Module:
-    model = copy.deepcopy(base)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = nn.Parameter(Floor.wrap(p.detach().clone()))
-    return model
 
 
 def one_run(reps: int) -> dict[str, float]:
@@ -75,7 +66,7 @@ def one_run(reps: int) -> dict[str, float]:
     loss = nn.MSELoss()
     steps = {
         "plain": _step_fn(copy.deepcopy(base), lambda: (x, y), loss),
-        "floor": _step_fn(_floor_model(base), lambda: (fx, fy), loss),
+        "floor": _step_fn(floor_model(base), lambda: (fx, fy), loss),
         "sbpflow": _step_fn(
             copy.deepcopy(base).to_global(placement, broadcast), lambda: (gx, gy), loss
         ),

@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._floor import Floor  # noqa: E402
 from bench._ranks import join_world, slowest_rank_times  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -71,30 +72,6 @@ OPS = ("add S(0)", "add B", "a + a B", "mm S(0)", "mm B", "linear S(0)", "linear
 TARGET = 1.10  # sbpflow overhead / DTensor overhead, every case (medians)
 
 Timed = dict[str, dict[str, Callable[[], Any]]]  # op -> implementation -> call
-
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
-
-
-class Floor(torch.Tensor):
-    """The minimal wrapper subclass: unwrap, run the op on the locals, wrap every tensor output."""
-
-    _local: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def wrap(local: torch.Tensor) -> Floor:
-        self = _make_wrapper_subclass(
-            Floor, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device
-        )
-        self._local = local
-        return self
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*[a._local if isinstance(a, Floor) else a for a in args], **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            return Floor.wrap(out)
-        return type(out)(Floor.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
 
 
 def _build(size: int, rank: int, mesh: Any) -> Timed:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench._floor import Floor
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -112,34 +114,6 @@ def _tests(quick: bool) -> dict[str, Any]:
 
 
 # -- dispatch -------------------------------------------------------------------------------
-
-
-class Floor(torch.Tensor):
-    """The minimal wrapper subclass: unwrap, run the op on the locals, wrap every output."""
-
-    _local: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def wrap(local: torch.Tensor) -> Floor:
-        self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            Floor, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device,
-            requires_grad=local.requires_grad,
-        )  # fmt: skip
-        self._local = local
-        return self
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        def unwrap(a: Any) -> Any:
-            return a._local if isinstance(a, Floor) else a
-
-        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-        if isinstance(out, torch.Tensor):
-            return Floor.wrap(out)
-        if isinstance(out, (tuple, list)):
-            return type(out)(Floor.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return out
 
 
 def _one_rank_world() -> tuple[Any, Any]:

@@ -1,0 +1,309 @@
+"""Real models: Hugging Face GPT-2 and Llama under each sbpflow layout against its torch peer.
+
+One invocation runs every suite below, each in fresh processes of 2 gloo ranks, ``--runs``
+times; inside a run the variants of a suite are interleaved (every repetition runs each
+once, in an order rotating from one repetition to the next, a step's time the slower
+rank's; ``bench/_ranks.interleaved_step_times``). A step is ``zero_grad``, the forward with
+``labels`` (the library's causal-LM loss), ``backward`` and AdamW's ``step`` (torch's default
+implementation for the parameters' type).
+
+Models, from configs built in code (random weights, no download), dropout off, no cache:
+
+- GPT-2: 4 layers, 256 wide, 4 heads, vocabulary 8192, eager attention (the library's);
+- Llama: 4 layers, hidden 256, intermediate 1024, 8 heads and 4 key/value heads (GQA),
+  vocabulary 8192, SDPA attention.
+
+Sequences of 128 tokens, 4 per rank (data parallel: split on dim 0; tensor parallel: the
+same 4 on both ranks).
+
+Suites (torch peer first; the ratio column is sbpflow's median over the peer's):
+
+- **dp-gpt2**, **dp-llama**: torch DDP; the floor (every parameter and the batch in the
+  minimal ``__torch_dispatch__`` subclass ``bench/_floor.Floor``, gradients averaged with
+  one flat all_reduce: what any Python tensor subclass pays); sbpflow global DP
+  (``model.to_global(P, broadcast)``, batch ``split(0)``); compiled: ``torch.compile(DDP)``
+  and sbpflow ``torch.compile(model)``;
+- **tp-llama**: DTensor ``parallelize_module`` with torchtitan's plan (q/k/v/gate/up
+  column-wise, o/down row-wise) and sbpflow's Megatron layout (the same weights split);
+  eager and ``torch.compile(model)``;
+- **fsdp-llama**: torch ``fully_shard`` (FSDP2) and sbpflow ``fully_shard``, on each decoder
+  layer and then the root; eager and ``torch.compile(model)``.
+
+A variant that raises is reported with its error instead of a time.
+
+Usage (from the repository root)::
+
+    python bench/models/run.py                                 # every suite, 3 runs
+    python bench/models/run.py --suites dp-gpt2 --runs 1 --reps 3 --eager-only
+    python bench/models/run.py --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import sbpflow  # noqa: E402
+from bench._floor import Floor, floor_model  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
+from bench._report import machine, write_section  # noqa: E402
+from sbpflow.sbp import broadcast, split  # noqa: E402
+from sbpflow.testing import free_port  # noqa: E402
+
+WORLD = 2
+SEQ, BATCH_PER_RANK, VOCAB = 128, 4, 8192
+WARMUP = 3
+SUITES = ("dp-gpt2", "dp-llama", "tp-llama", "fsdp-llama")
+SECTION_START, SECTION_END = "<!-- bench:models:start -->", "<!-- bench:models:end -->"
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager",
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # the library warns (a graph break) without one
+    return model
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
+        attention_dropout=0.0, use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def megatron(name: str, tensor: torch.Tensor) -> Any:
+    """sbpflow's Megatron layout of Llama: the weights torchtitan's plan splits."""
+    module = name.split(".")[-2] if "." in name else ""
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return split(0)
+    return split(1) if module in ("o_proj", "down_proj") else broadcast
+
+
+def _step(model: nn.Module, ids: Any) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], Callable[[], None]]]:
+    """Per variant, a builder returning its step (built lazily so one failing is reported)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    family, make = (suite.split("-")[1], {"gpt2": gpt2, "llama": llama}[suite.split("-")[1]])
+    torch.manual_seed(0)
+    base = make()
+    world_ids = torch.randint(0, VOCAB, (WORLD * BATCH_PER_RANK, SEQ))
+    local_ids = world_ids.chunk(WORLD)[rank].contiguous()
+    placement = sbpflow.placement("cpu", list(range(WORLD)))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    maybe = torch.compile if compiled else (lambda m: m)
+    out: dict[str, Callable[[], Callable[[], None]]] = {}
+    kind = suite.split("-")[0]
+    if kind == "dp":
+
+        def torch_ddp() -> Callable[[], None]:
+            return _step(maybe(DistributedDataParallel(copy.deepcopy(base))), local_ids)
+
+        def sbpflow_dp() -> Callable[[], None]:
+            model = copy.deepcopy(base).to_global(placement, broadcast)
+            ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
+            return _step(maybe(model), ids)
+
+        out["torch DDP"] = torch_ddp
+        if not compiled:
+            out["floor"] = lambda: _floor_step(base, local_ids)
+        out["sbpflow global DP"] = sbpflow_dp
+    elif kind == "tp":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        def dtensor_tp() -> Callable[[], None]:
+            model = copy.deepcopy(base)
+            plan = {
+                **{f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            }
+            for layer in model.model.layers:
+                parallelize_module(layer, mesh, plan)
+            return _step(maybe(model), world_ids[:BATCH_PER_RANK])
+
+        def sbpflow_tp() -> Callable[[], None]:
+            model = copy.deepcopy(base).to_global(placement, broadcast)
+            model.to_global(placement, megatron)
+            ids = world_ids[:BATCH_PER_RANK].to_global(placement, broadcast)
+            return _step(maybe(model), ids)
+
+        out["DTensor TP"] = dtensor_tp
+        out["sbpflow TP"] = sbpflow_tp
+    else:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        from sbpflow.nn.parallel import fully_shard
+
+        def torch_fsdp() -> Callable[[], None]:
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                torch_fully_shard(layer, mesh=mesh)
+            torch_fully_shard(model, mesh=mesh)
+            return _step(maybe(model), local_ids)
+
+        def sbpflow_fsdp() -> Callable[[], None]:
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                fully_shard(layer, placement)
+            fully_shard(model, placement)
+            ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
+            return _step(maybe(model), ids)
+
+        out["torch fully_shard"] = torch_fsdp
+        out["sbpflow fully_shard"] = sbpflow_fsdp
+    del family
+    return out
+
+
+def _floor_step(base: nn.Module, ids: torch.Tensor) -> Callable[[], None]:
+    model = floor_model(base)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    wrapped = Floor.wrap(ids)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=wrapped, labels=wrapped).loss.backward()
+        grads = [p.grad._local for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= WORLD
+        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        optimizer.step()
+
+    return step
+
+
+def _worker(rank: int, suite: str, compiled: bool, port: int, reps: int, queue: Any) -> None:
+    warnings.filterwarnings("ignore")
+    join_world(rank, WORLD, port)
+    steps: dict[str, Callable[[], None]] = {}
+    errors: dict[str, str] = {}
+    for name, build in _variants(suite, rank, compiled).items():
+        try:
+            steps[name] = build()
+            steps[name]()  # the first step: compiles, and surfaces a failure before timing
+        except Exception as error:
+            errors[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+            if rank == 0:
+                traceback.print_exc()
+            steps.pop(name, None)
+        failed = torch.tensor([name in errors], dtype=torch.int32)
+        dist.all_reduce(failed)  # every rank keeps the same variants
+        if failed.item() and name in steps:
+            steps.pop(name)
+            errors[name] = "failed on another rank"
+    times, _ = interleaved_step_times(steps, WARMUP, reps) if steps else ({}, {})
+    if rank == 0:
+        queue.put(({n: statistics.median(t) for n, t in times.items()}, errors))
+    dist.barrier()
+
+
+def _one_run(suite: str, compiled: bool, reps: int) -> tuple[dict[str, float], dict[str, str]]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(suite, compiled, free_port(), reps, queue),
+        nprocs=WORLD,
+        start_method="spawn",
+    )
+    return queue.get()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suites", default=",".join(SUITES))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per variant and run")
+    parser.add_argument("--eager-only", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the results into this file's section")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    lines = [
+        SECTION_START,
+        "## Real models: Hugging Face GPT-2 and Llama against the torch peers",
+        "",
+        f"Machine: `{machine()}`; {WORLD} gloo ranks, one thread each; load average "
+        f"{load:.1f} at start. `python bench/models/run.py --runs {args.runs} --reps "
+        f"{args.reps}`: GPT-2 (4 layers, 256 wide) and Llama (4 layers, hidden 256, "
+        f"intermediate 1024, GQA), seq {SEQ}, {BATCH_PER_RANK} sequences per rank, AdamW; "
+        f"median step time (ms) of each run, then the median of the {args.runs} runs' medians; "
+        "ratio: the variant's over the torch peer's (first row of each group).",
+        "",
+        "| suite | mode | variant | ms per run | median ms | ratio |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for suite in args.suites.split(","):
+        for compiled in (False,) if args.eager_only else (False, True):
+            runs = [_one_run(suite, compiled, args.reps) for _ in range(args.runs)]
+            mode = "compiled" if compiled else "eager"
+            names = list(dict.fromkeys(n for times, errors in runs for n in [*times, *errors]))
+            peer = None
+            for name in names:
+                per_run = [times[name] for times, _ in runs if name in times]
+                error = next((errors[name] for _, errors in runs if name in errors), None)
+                if error or not per_run:
+                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | |")
+                    continue
+                middle = statistics.median(per_run)
+                peer = middle if peer is None else peer
+                each = ", ".join(f"{t:.1f}" for t in per_run)
+                lines.append(
+                    f"| {suite} | {mode} | {name} | {each} | {middle:.1f} | {middle / peer:.2f} |"
+                )
+                print(lines[-1], flush=True)
+    lines.append(SECTION_END)
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        write_section(args.out, text, SECTION_START, SECTION_END)
+
+
+if __name__ == "__main__":
+    main()
