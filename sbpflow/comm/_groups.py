@@ -101,9 +101,16 @@ def _new_group(backend: str, ranks: Sequence[int], lane: Hashable) -> dist.Proce
     own = lane is not None
     if not own and backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
         return dist.group.WORLD
-    _agree(_describe(backend, ranks, lane), ranks)
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
+    return new_group(backend, ranks, lane)
+
+
+def new_group(backend: str, ranks: Sequence[int], lane: Hashable = None) -> dist.ProcessGroup:
+    """The one place sbpflow creates a process group: after the ranks agree on it (NOTE
+    [group agreement]). ``lane`` names a group of its own for ranks that have one already
+    (a transfer lane, the checks' control group, the checkpoints' storage group)."""
+    _agree(_describe(backend, ranks, lane), ranks)
     return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
 
 

@@ -20,8 +20,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ._errors import named
+from ._groups import new_group
 from ._meta import gather_objects
-from ._world import ensure_initialized, on_teardown, timeout_delta
+from ._world import ensure_initialized, on_teardown
 
 _storage: dict[str, dist.ProcessGroup] = {}
 
@@ -35,9 +36,7 @@ def storage_group() -> dist.ProcessGroup:
     if "cpu" not in _storage:
         ensure_initialized()
         world = dist.get_world_size()
-        _storage["cpu"] = dist.new_group(
-            list(range(world)), backend="gloo", timeout=timeout_delta()
-        )
+        _storage["cpu"] = new_group("gloo", range(world), "storage")
     return _storage["cpu"]
 
 
