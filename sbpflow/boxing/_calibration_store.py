@@ -1,10 +1,10 @@
 """Where measured cost constants are kept between runs: one JSON file per machine.
 
 Pure file I/O (no process group). ``calibrate`` writes
-``<cache dir>/calibration-<hostname>-<backend>-<world size>.json``. In a job
-only world rank 0 reads it, when the world is set up, and shares what it
-read with every rank (NOTE [stored constants] in calibrate.py); in a single
-process ``sbpflow.boxing.load_calibration()`` reads it on request. The cost
+``<cache dir>/calibration-<hostname>-<backend>-<world size>.json``. Nothing
+reads it unless asked: ``sbpflow.boxing.load_calibration()`` reads it in a
+single process, and in a job only world rank 0 reads it and shares what it
+read with every rank (NOTE [stored constants] in calibrate.py). The cost
 model itself never reads files. The cache dir is ``$SBPFLOW_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/sbpflow``, else ``~/.cache/sbpflow``.
 """

@@ -16,18 +16,17 @@
 # run different collectives and hang.
 #
 # NOTE [stored constants]
-# calibrate() stores its fits per machine (_calibration_store). A later job
-# must not let each rank read its own host's file: two hosts with different
-# files would plan differently. So the files are read by world rank 0 only,
-# when the world is first set up (the world-ready hook of comm/_world.py):
-# rank 0 takes, per backend, the model installed in memory if any, else its
-# record for exactly this world size, and broadcasts them as one fixed-size
-# float64 vector (cost.to_vector) over the world's CPU group; every rank,
-# rank 0 included, installs what the broadcast delivered, or the defaults
-# where rank 0 had nothing. A rank planning differently is thereby
-# impossible, not merely detected. A process with no process group (a
-# notebook) plans with what is in memory; load_calibration() reads this
-# machine's file there, on request.
+# calibrate() stores its fits per machine (_calibration_store), and nothing reads
+# them unless asked: a plan never depends on a file the user did not name, so
+# the same script plans the same on every machine (with the defaults, or the
+# constants installed in memory). load_calibration() installs a stored record on
+# request. In a single process it reads this machine's file. In a job it is a
+# collective, and each rank reading its own host's file could make hosts with
+# different files plan differently: world rank 0 alone reads its record and
+# broadcasts it as one fixed-size float64 vector (cost.to_vector); every rank,
+# rank 0 included, installs what arrived, or nothing (on every rank) when rank 0
+# had no record. A rank planning differently is thereby impossible, not merely
+# detected.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from ..comm._world import (
     get_local_rank,
     get_rank,
     get_world_size,
-    on_world_ready,
+    is_initialized,
 )
 from ..placement import Placement
 from . import _calibration_store as store
@@ -167,13 +166,12 @@ def calibrate(
     ``Calibration.axes``; the planner uses the whole-placement fit).
 
     The constants are installed with ``cost.set_model`` (identical on every
-    rank) and, with ``save=True``, written to
+    rank) for the rest of this job and, with ``save=True``, written to
     ``calibration-<host>-<backend>-<world>.json`` in ``$SBPFLOW_CACHE_DIR``
-    (default ``~/.cache/sbpflow``). A later job of the same world size whose
-    rank 0 runs on this machine plans with them: rank 0 reads the file when
-    the world is set up and shares it with every rank (NOTE [stored
-    constants]). In a world of one there is nothing to time: the current
-    constants come back with ``measured=False``.
+    (default ``~/.cache/sbpflow``). A later job plans with them only if it asks,
+    with ``load_calibration()`` (NOTE [stored constants]); otherwise every job
+    plans with the default constants. In a world of one there is nothing to
+    time: the current constants come back with ``measured=False``.
     """
     placement = _check_args(placement, sizes, repeats)
     ensure_initialized()
@@ -242,18 +240,17 @@ def calibrate(
 def load_calibration(
     device_type: str = "cpu", *, world_size: int | None = None
 ) -> Calibration | None:
-    """Install the constants ``calibrate`` stored on this machine; for a single process.
+    """Install the constants ``calibrate`` stored; plans never read them otherwise.
 
-    A notebook or script with no process group plans with the constants in
-    memory and never reads files on its own; this reads the record for
-    ``device_type``'s backend (gloo for ``"cpu"``, NCCL for ``"cuda"``) that
-    was measured on exactly ``world_size`` ranks, or the newest one when
-    ``world_size`` is ``None``, and installs it. Returns what it installed, or
-    ``None`` (and installs nothing) when this machine has no readable record.
+    Reads the record for ``device_type``'s backend (gloo for ``"cpu"``, NCCL for
+    ``"cuda"``) measured on exactly ``world_size`` ranks, or, when ``world_size``
+    is ``None``, the newest record in a single process and the record for the
+    job's own world size in a job; installs it and returns it, or returns ``None``
+    (installing nothing) when there is no readable record.
 
-    In a job of several ranks the stored constants are shared from rank 0
-    when the world is set up (NOTE [stored constants]); reading files per
-    rank could make ranks plan differently, so this raises there.
+    In a job of several ranks this is a collective (every rank calls it, with the
+    same arguments): world rank 0 reads its own machine's file and every rank
+    installs rank 0's constants, bit for bit (NOTE [stored constants]).
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(
@@ -261,28 +258,58 @@ def load_calibration(
         )
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive int or None, got {world_size!r}.")
-    if get_world_size() > 1:
-        raise RuntimeError(
-            f"load_calibration reads this machine's file, but this process is one of "
-            f"{get_world_size()} ranks, whose hosts may hold different files; in a job, world "
-            "rank 0's stored constants are shared with every rank when the world is set up. "
-            "Call load_calibration only in a single process (a notebook)."
-        )
     backend = _cost.backend_for(device_type)
-    record = store.load_newest(backend) if world_size is None else store.load(backend, world_size)
-    if record is None:
+    in_a_job = is_initialized() and get_world_size() > 1
+    record = None
+    if not in_a_job or get_rank() == 0:
+        wanted = world_size if world_size is not None or not in_a_job else get_world_size()
+        record = _read_record(backend, wanted)
+    if in_a_job:
+        model = _shared_from_first_rank(record)
+    else:
+        model = None if record is None else _cost.model_from_record(record)
+    if model is None:
         return None
-    model = _cost.model_from_record(record)
     _cost.set_model(backend, model)
-    stored_world = record.get("world_size")
+    stored_world = record.get("world_size") if record is not None else None
     return Calibration(
         backend,
-        stored_world if isinstance(stored_world, int) else world_size or 0,
+        stored_world if isinstance(stored_world, int) else world_size or get_world_size(),
         model.link,
         dict(model.per_op),
-        samples=_samples_of(record),
-        path=record["path"],
+        samples=() if record is None else _samples_of(record),
+        path=None if record is None else record["path"],
     )
+
+
+def _read_record(backend: str, world_size: int | None) -> dict[str, Any] | None:
+    """This machine's stored record (for exactly ``world_size`` ranks, or the newest)."""
+    try:
+        if world_size is None:
+            return store.load_newest(backend)
+        return store.load(backend, world_size)
+    except Exception as error:  # in a job, never leave the other ranks waiting in the broadcast
+        warnings.warn(
+            f"sbpflow could not read the stored {backend} calibration ({error!r}); nothing "
+            "installed. Run sbpflow.boxing.calibrate() to store new constants.",
+            stacklevel=3,
+        )
+        return None
+
+
+def _shared_from_first_rank(record: dict[str, Any] | None) -> _cost.CostModel | None:
+    """World rank 0's model from ``record`` (``None`` for none), the same on every rank."""
+    values = [0.0] * _cost.VECTOR_SIZE
+    if get_rank() == 0 and record is not None:
+        try:
+            values = _cost.to_vector(_cost.model_from_record(record))
+        except Exception as error:  # never leave the other ranks waiting in the broadcast
+            warnings.warn(
+                f"sbpflow could not use the stored calibration {record.get('path')} ({error!r}); "
+                "nothing installed.",
+                stacklevel=3,
+            )
+    return _cost.from_vector(_bench.broadcast_from_first(values))
 
 
 def _samples_of(record: dict[str, Any]) -> tuple[Sample, ...]:
@@ -296,46 +323,6 @@ def _samples_of(record: dict[str, Any]) -> tuple[Sample, ...]:
     except (KeyError, TypeError, ValueError, AttributeError):
         return ()
     return tuple(s for s in samples if s.op in _bench.TIMED_OPS)
-
-
-def _share_stored_constants() -> None:
-    """World-ready callback: world rank 0's constants, installed on every rank (NOTE [stored constants])."""
-    size = _cost.VECTOR_SIZE
-    values = [0.0] * (size * len(_cost.BACKENDS))
-    if get_rank() == 0:
-        world = get_world_size()
-        values = [
-            v
-            for backend in _cost.BACKENDS
-            for v in _cost.to_vector(_first_rank_model(backend, world))
-        ]
-    shared = _bench.broadcast_from_first(values)
-    for i, backend in enumerate(_cost.BACKENDS):
-        model = _cost.from_vector(shared[i * size : (i + 1) * size])
-        if model is None:
-            _cost.reset(backend)
-        else:
-            _cost.set_model(backend, model)
-
-
-def _first_rank_model(backend: str, world_size: int) -> _cost.CostModel | None:
-    """On world rank 0: the model installed in memory, else the stored one, else ``None``."""
-    installed = _cost.installed_model(backend)
-    if installed is not None:
-        return installed
-    try:
-        record = store.load(backend, world_size)
-        return None if record is None else _cost.model_from_record(record)
-    except Exception as error:  # never leave the other ranks waiting in the broadcast
-        warnings.warn(
-            f"sbpflow could not read the stored {backend} calibration ({error!r}); planning with "
-            "the default constants. Run sbpflow.boxing.calibrate() to store new ones.",
-            stacklevel=2,
-        )
-        return None
-
-
-on_world_ready(_share_stored_constants)
 
 
 def _check_args(placement: Placement | None, sizes: Sequence[int], repeats: int) -> Placement:

@@ -119,9 +119,10 @@ class CostModel:
 # job plans with are one value, the same on every rank by construction: this
 # module holds them in memory only (it reads no file and no world size), and
 # they change only in ways every rank takes part in: ``calibrate()``
-# (broadcasts rank 0's fits), the world-ready hook in calibrate.py (world
-# rank 0 reads its stored record and broadcasts it as the fixed-size vector
-# below), or ``set_model`` called alike on every rank. A plan may also be
+# (broadcasts rank 0's fits), ``load_calibration()`` in a job (world rank 0
+# reads its stored record and broadcasts it as the fixed-size vector below),
+# or ``set_model`` called alike on every rank. With none of them, every job
+# on every machine plans with the defaults. A plan may also be
 # priced with an explicit model (``plan(..., cost_model=...)``).
 
 # The ops a model may price with their own constants (CostModel.per_op), in
@@ -143,9 +144,8 @@ def backend_for(device_type: str) -> str:
 def model_for(device_type: str) -> CostModel:
     """The job's agreed cost model for placements of ``device_type``.
 
-    The model installed for its backend (``set_model``; ``calibrate`` and the
-    constants shared when the world is set up install through it), else the
-    defaults above. Never reads a file (NOTE [agreed constants]).
+    The model installed for its backend (``set_model``; ``calibrate`` and
+    ``load_calibration`` install through it), else the defaults above. Never reads a file (NOTE [agreed constants]).
     """
     backend = backend_for(device_type)
     return _installed.get(backend) or _DEFAULT_MODELS[backend]

@@ -4,17 +4,16 @@ Four gloo ranks, each reading its own ``SBPFLOW_CACHE_DIR``: rank 0 holds one
 calibration file, the other ranks a file with very different constants (the
 test first checks, by planning with each model directly, that the two would
 choose different plans for many cases); in a second run rank 0 holds none.
-Each job re-runs, under the rank's own directory, the callback the world-ready
-hook ran when the pool's ranks joined the world (the ranks joined before a job
-could give them different directories). Then every ``to_global`` of the 1-D
-matrix (tests/dist/test_boxing_1d.py) and the 2x2 matrix
+Each job loads the stored constants, as a user asks for them, with
+``sbpflow.boxing.load_calibration()`` under the rank's own directory. Then every
+``to_global`` of the 1-D matrix (tests/dist/test_boxing_1d.py) and the 2x2 matrix
 (tests/dist/test_boxing_nd.py) must run, on every rank, the plan this process
 builds with rank 0's model (the defaults when rank 0 has no file), traced with
 ``sbpflow.boxing.trace()``, and give the single-process reference value.
 
-The hook itself is checked in fresh interpreters (world of one): it runs once,
-on the first ``ensure_initialized()``, whether sbpflow or the user made the
-default group, and installs the stored constants.
+A stored file is read only on request: fresh interpreters (a world of one, whether
+sbpflow or the user made the default group) with a stored file plan with the
+defaults until they call ``load_calibration()`` (NOTE [stored constants]).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import torch
 import sbpflow
 from sbpflow.boxing import _calibration_store as store
 from sbpflow.boxing import cost
-from sbpflow.boxing.calibrate import _share_stored_constants
 from sbpflow.comm import _world
 from sbpflow.env import get_rank
 from sbpflow.tensor import GlobalTensor
@@ -75,10 +73,10 @@ def _traced(t: sbpflow.boxing.Trace) -> Steps:
 
 
 def _agree(cache_dirs: list[str]) -> list[float]:
-    """Forget the installed constants and run the world-ready callback with this rank's directory."""
+    """Forget the installed constants and load the stored ones with this rank's directory."""
     with environ({"SBPFLOW_CACHE_DIR": cache_dirs[get_rank()]}):
         cost.reset()
-        _share_stored_constants()
+        sbpflow.boxing.load_calibration("cpu")
     return cost.to_vector(cost.installed_model("gloo"))
 
 
@@ -207,40 +205,35 @@ def test_ranks_with_different_files_run_rank0s_plans(
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:30])
 
 
-# -- the hook, in fresh interpreters ---------------------------------------------------
+# -- a stored file, in fresh interpreters ---------------------------------------------
 
-_HOOK_SCRIPT = textwrap.dedent(
+_FRESH_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch.distributed as dist
     import sbpflow
     from sbpflow.boxing import cost
-    from sbpflow.comm import _world
 
-    runs = []
-    _world.on_world_ready(lambda: runs.append(cost.to_vector(cost.installed_model("gloo"))))
-    before = cost.installed_model("gloo")
     if sys.argv[1] == "user":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     sbpflow.env.ensure_initialized()
-    sbpflow.env.ensure_initialized()
     x = sbpflow.ones(4, placement=sbpflow.placement("cpu", [0]), sbp=sbpflow.sbp.broadcast)
+    before = cost.to_vector(cost.installed_model("gloo"))
+    loaded = sbpflow.boxing.load_calibration("cpu")
     print(json.dumps({
-        "before": before is None,
-        "runs": runs,
+        "before": before,
+        "loaded": loaded is not None,
         "installed": cost.to_vector(cost.installed_model("gloo")),
-        "ready": _world.is_world_ready(),
     }))
     """
 )
 
 
 @pytest.mark.parametrize("who_makes_the_group", ["sbpflow", "user"])
-def test_the_world_ready_hook_installs_the_stored_constants_once(
+def test_a_stored_file_changes_no_plan_until_loaded(
     tmp_path: Path, who_makes_the_group: str
 ) -> None:
     """The reference is the model the stored record describes, built in this process."""
-    assert _share_stored_constants in _world._world_ready_callbacks
     with environ({"SBPFLOW_CACHE_DIR": str(tmp_path)}):
         store.save(_RECORD_OTHERS, store.path_for("gloo", 1))
     env = {
@@ -250,7 +243,7 @@ def test_the_world_ready_hook_installs_the_stored_constants_once(
     }
     env.update(PYTHONPATH=str(_ROOT), SBPFLOW_CACHE_DIR=str(tmp_path))
     done = subprocess.run(
-        [sys.executable, "-c", _HOOK_SCRIPT, who_makes_the_group],
+        [sys.executable, "-c", _FRESH_SCRIPT, who_makes_the_group],
         env=env,
         capture_output=True,
         text=True,
@@ -259,12 +252,9 @@ def test_the_world_ready_hook_installs_the_stored_constants_once(
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    expected = cost.to_vector(cost.model_from_record(_RECORD_OTHERS))
-    assert result["before"] is True  # nothing read at import
-    assert result["ready"] is True
-    # The test's own callback, registered after sbpflow's, ran once and saw the stored model.
-    assert result["runs"] == [expected]
-    assert result["installed"] == expected
+    assert result["before"] == cost.to_vector(None)  # the defaults: the file was not read
+    assert result["loaded"] is True
+    assert result["installed"] == cost.to_vector(cost.model_from_record(_RECORD_OTHERS))
 
 
 def _pool_state() -> tuple[bool, list[float]]:
@@ -273,5 +263,5 @@ def _pool_state() -> tuple[bool, list[float]]:
 
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_pool_ranks_agreed_when_they_joined_the_world(dist_pool: Any) -> None:
-    """The session's cache dir is empty: rank 0 had nothing stored, so every rank runs the defaults."""
+    """Joining the world installs nothing: every rank runs the defaults."""
     assert dist_pool.run(_pool_state) == [(True, [0.0] * cost.VECTOR_SIZE)] * 2

@@ -22,7 +22,6 @@ import torch
 import sbpflow
 from sbpflow import sbp
 from sbpflow.boxing import cost
-from sbpflow.boxing.calibrate import _share_stored_constants
 from sbpflow.testing import DistributedPool
 from sbpflow.testing._transport import environ
 
@@ -69,7 +68,7 @@ def _calibrate_job(cache_dir: str) -> dict[str, Any]:
         calibrated_plan = _plan_summary()
         cost.reset()  # forget the installed model, as a new job starts
         assert cost.model_for("cpu") == cost.CostModel.default("gloo")  # files are not read here
-        _share_stored_constants()  # what the world-ready hook runs: rank 0 reads, all install
+        sbpflow.boxing.load_calibration("cpu")  # asked for: rank 0 reads, every rank installs
         loaded = cost.model_for("cpu")
         loaded_plan = _plan_summary()
         return {
@@ -133,7 +132,8 @@ def test_calibration_agrees_is_stored_and_prices_plans(
         ):
             assert other[key] == first[key], key
 
-    # Installed, and shared from rank 0's stored file after the in-memory model is forgotten.
+    # Installed, and loaded from rank 0's stored file on request after the in-memory model
+    # is forgotten.
     assert first["installed"] == first["expected"]
     assert first["loaded"] == first["expected"]
     path = Path(first["path"])
