@@ -43,6 +43,7 @@ import torch
 from .. import _global
 from .._bounded import BoundedDict
 from .._layout import Layout, empty_local_shape
+from .._view_writes import refuse_detached_view_writes
 from ..boxing._redistribute import box_below_autograd
 from ..comm._world import get_rank
 from ..sbp import Broadcast, Partial, SbpParallel, Split
@@ -144,15 +145,16 @@ def on_pieces(func: Any, args: tuple, kwargs: dict) -> Any:
     per_position = signature.base in ("addcmul", "addcdiv")  # a number per position
     for i in signature.tensors:
         t = args[i]
-        if _is_global(t) or t.dim() != (1 if per_position else 0):
-            return NotImplemented
-    gt = _global.GlobalTensor
-    lists = [args[i] for i in signature.lists if i < len(args)]
-    if not lists or not all(type(t) is gt for lst in lists for t in lst):
+        if _is_global(t) or t.dim() != (1 if per_position else 0) or t.is_conj() or t.is_neg():
+            return NotImplemented  # lazy bits (NOTE [lazy bits]): the general path resolves them
+    try:
+        metas = tuple([tuple([t._meta for t in args[i]]) for i in signature.lists])
+    except AttributeError:  # a plain tensor in a list: it joins as broadcast, item by item
         return NotImplemented
-    if torch.is_grad_enabled() and any(t.requires_grad for lst in lists for t in lst):
+    if torch.is_grad_enabled() and any(t.requires_grad for i in signature.lists for t in args[i]):
         return NotImplemented  # differentiated: the single ops keep their gradient plans
-    metas = tuple(tuple(t._meta for t in lst) for lst in lists)
+    if signature.in_place and any(t._is_view() for t in args[0]):
+        refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
     key = (func, metas, *(() if signature.base not in _REDUCTIONS else _reduction_args(func, args)))
     plan = _plans.get(key)
     if plan is None:
@@ -171,7 +173,7 @@ def on_pieces(func: Any, args: tuple, kwargs: dict) -> Any:
     return [wrap(o, meta) for o, meta in zip(out, plan.outputs, strict=True)]
 
 
-def _is_global(t: Any) -> bool:
+def _is_global(t: Any) -> bool:  # read at call time (NOTE [tensor layers] in _global)
     return isinstance(t, _global.GlobalTensor)
 
 

@@ -117,6 +117,13 @@ def _foreach_packets() -> list[Any]:
 register_decomposition(*_foreach_packets())(foreach)
 
 
+def foreach_overloads() -> list[Any]:
+    """Every overload of those ops except ``out=`` ones (the dispatcher's first stop for them,
+    NOTE [foreach on the pieces])."""
+    overloads = [getattr(p, name) for p in _foreach_packets() for name in p.overloads()]
+    return [op for op in overloads if not any(a.is_out for a in op._schema.arguments)]
+
+
 @register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)
 def amp_check_and_unscale(func: Any, args: tuple, kwargs: dict) -> None:
     """Unscale every gradient in place; found_inf becomes the max over every rank (NOTE [AMP

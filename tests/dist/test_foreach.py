@@ -304,3 +304,20 @@ def test_foreach_norm_and_max_on_split_lists(dist_pool: DistributedPool) -> None
             assert got["dispatches"] == 1, got
             assert got["collectives"] == {"all_reduce": 1}, got
             assert got["sbps"] == ["B"] * 4, got
+
+
+def _write_into_detached_view() -> str:
+    x = make(grid(torch.randn(6, 5, generator=torch.Generator().manual_seed(4))), world(), S1)
+    view = x[:, 1]  # gathered from S(1): a copy, not a view of x's pieces
+    try:
+        torch._foreach_add_([view], 1.0)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_foreach_write_into_detached_view_is_refused(dist_pool: DistributedPool) -> None:
+    """An in-place foreach op into a view holding a copy raises, as the single op does."""
+    for message in dist_pool.run(_write_into_detached_view):
+        assert "view of a global tensor" in message, message
