@@ -125,7 +125,8 @@ class _Plan:
 class _ReductionPlan:
     """A decided ``_foreach_norm``/``_foreach_max``: per position its output metadata and
     whether this rank holds a piece; the split positions grouped by the partial layout
-    their per-piece values make (combined by one boxing to broadcast per group)."""
+    their per-piece values make and their dtype (combined by one boxing to broadcast per
+    group)."""
 
     outputs: tuple[_global.Meta, ...]
     inside: tuple[bool, ...]
@@ -162,7 +163,7 @@ def on_pieces(func: Any, args: tuple, kwargs: dict) -> Any:
     if plan is _NO_PLAN:
         return NotImplemented
     if isinstance(plan, _ReductionPlan):
-        return _run_reduction(func, args, plan)
+        return _run_reduction(func, args, plan) if not kwargs else NotImplemented
     local_args = list(args)
     for i in signature.lists:
         local_args[i] = [t._local for t in args[i]]
@@ -265,9 +266,9 @@ def _decide_reduction(func: Any, metas: tuple[_global.Meta, ...], args: tuple) -
             partial = tuple(
                 Partial(reduce_op) if isinstance(s, Split) else Broadcast() for s in layout.sbp
             )
-            groups.setdefault(Layout(layout.placement, partial), []).append(k)
+            groups.setdefault((Layout(layout.placement, partial), out_dtype), []).append(k)
     return _ReductionPlan(
-        tuple(outputs), tuple(inside), tuple((g, tuple(ks)) for g, ks in groups.items())
+        tuple(outputs), tuple(inside), tuple((g, tuple(ks)) for (g, _), ks in groups.items())
     )
 
 
