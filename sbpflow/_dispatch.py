@@ -2,7 +2,9 @@
 
 # NOTE [dispatch]
 # 1. Ops that only touch metadata or aliasing (detach, alias) and reading a
-#    scalar (item: the logical value, a collective) are handled here, and so is
+#    scalar (item: the logical value, a collective) are handled here, as are
+#    ``_foreach_*`` calls whose lists run on the pieces (NOTE [foreach on the
+#    pieces] in ops/_foreach: those that cannot go on to 2), and so is
 #    ``_to_copy`` to a device (NOTE [device moves] in _devices), after the
 #    fast path missed: a device move never leaves a fast entry.
 # 2. An op with a decomposition (foreach ops, the AMP inf check, norms over a
@@ -55,7 +57,9 @@ from .comm import _errors, _functional
 from .comm._mesh import MESHES
 from .comm._world import get_rank
 from .ops import _registry
+from .ops._foreach import on_pieces
 from .ops._registry import LocalContext, TensorMeta
+from .ops.optim import foreach_overloads
 from .placement import Placement
 from .sbp import Broadcast
 
@@ -97,7 +101,9 @@ class OpDispatcher:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         handler = _special.get(func)
         if handler is not None:
-            return handler(func, args, kwargs)
+            out = handler(func, args, kwargs)
+            if out is not NotImplemented:  # NotImplemented: the general path below
+                return out
         key = call_key(func, args, kwargs, fold_floats=False)
         try:
             fast = self.fast.get(key)
@@ -300,6 +306,9 @@ def _fast_gradients(decision: Decision, args: tuple[Any, ...]) -> GradientPlan |
         (where[k], tuple(where[j] for j in sources)) for k, sources in decision.gradients.fan_out
     )
     return GradientPlan(fan_out=fan_out) if fan_out else None
+
+
+special(*foreach_overloads())(on_pieces)
 
 
 @special(aten.detach.default, aten.alias.default)

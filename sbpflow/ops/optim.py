@@ -8,8 +8,10 @@
 # own layout (``keep_grad_layout`` in _global.py), so every update is local.
 #
 # ``foreach=True`` (or a caller using ``torch._foreach_*`` directly) reaches
-# dispatch with lists of tensors laid out differently; each list position is
-# dispatched on its own, as the single op it stands for.
+# dispatch with lists of tensors. Lists whose positions are each computable on
+# the pieces run as one ``_foreach_*`` kernel there (NOTE [foreach on the
+# pieces] in _foreach.py); otherwise each list position is dispatched on its
+# own, as the single op it stands for.
 #
 # NOTE [AMP found-inf]
 # ``GradScaler.unscale_`` checks gradients for inf/nan with
@@ -40,6 +42,7 @@ from ..boxing._redistribute import box_below_autograd
 from ..comm._world import get_world_size
 from ..placement import Placement
 from ..sbp import Broadcast, Partial
+from ._foreach import on_pieces
 from ._registry import register_decomposition
 
 aten = torch.ops.aten
@@ -62,6 +65,14 @@ def _base_op(func: Any) -> tuple[Any, str]:
 
 
 def foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """One kernel on the pieces where the lists allow it, else the op per list position."""
+    out = on_pieces(func, args, kwargs)
+    if out is not NotImplemented:
+        return out
+    return per_item(func, args, kwargs)
+
+
+def per_item(func: Any, args: tuple, kwargs: dict) -> Any:
     """Apply the single-tensor op to each list position (each dispatches on its own)."""
     packet, base = _base_op(func)
     lengths = {len(a) for a in args if isinstance(a, (list, tuple))}
@@ -104,6 +115,13 @@ def _foreach_packets() -> list[Any]:
 
 
 register_decomposition(*_foreach_packets())(foreach)
+
+
+def foreach_overloads() -> list[Any]:
+    """Every overload of those ops except ``out=`` ones (the dispatcher's first stop for them,
+    NOTE [foreach on the pieces])."""
+    overloads = [getattr(p, name) for p in _foreach_packets() for name in p.overloads()]
+    return [op for op in overloads if not any(a.is_out for a in op._schema.arguments)]
 
 
 @register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)

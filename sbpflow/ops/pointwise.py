@@ -10,7 +10,8 @@
 #             (a number, a plain 0-dim tensor) is added by the first rank of
 #             each partial group only, zero elsewhere: P + 2 adds 2 once, not
 #             once per rank (the same for where's and masked_fill's constants)
-#   scale     mul: one operand P, the others B; div: the numerator only
+#   scale     mul: one operand P, the others B (mul_: self, which it writes); div: the
+#             numerator only
 #   linear    neg/clone/widening float casts, and the backward of activations in
 #             their incoming gradient (relu's threshold_backward, ...)
 #   mixed     where (its branches), masked_fill (self), lerp (self and
@@ -105,6 +106,8 @@ def _additive(info: OpInfo) -> list[set[int]]:
 
 
 def _scale(info: OpInfo) -> list[set[int]]:
+    if info.func.overloadpacket is aten.mul_:  # a P factor would make the B self it writes P
+        return _first(info)
     return [{k} for k in (info.input_at(0), info.input_at(1)) if k is not None]
 
 
