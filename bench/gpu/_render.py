@@ -13,15 +13,25 @@ SECTION_END = "<!-- bench:gpu:end -->"
 def section(folder: Path) -> str:
     parts = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json") if "." not in p.stem}
     status = {p.name.split(".")[0]: json.loads(p.read_text()) for p in folder.glob("*.status.json")}
-    machine = next((r["machine"] for r in parts.values()), {})
-    lines = [
-        SECTION_START,
-        "## GPU: what a CUDA user gets",
-        "",
-        f"Machine: {_machine(machine)}. Produced by `python bench/gpu/run.py` (one command, "
-        f"{_total_seconds(status)}); each part below ran in a process of its own.",
-        "",
-    ]
+    machines = {name: _machine(r.get("machine", {})) for name, r in parts.items()}
+    one_machine = len(set(machines.values())) <= 1
+    lines = [SECTION_START, "## GPU: what a CUDA user gets", ""]
+    if one_machine:
+        lines += [
+            f"Machine: {next(iter(machines.values()), 'unknown')}. Produced by "
+            f"`python bench/gpu/run.py` (one command, {_total_seconds(status)}); each part "
+            "below ran in a process of its own.",
+            "",
+        ]
+    else:
+        lines += [
+            "Produced by `python bench/gpu/run.py`, each part in a process of its own; the "
+            "parts below come from runs on two machines, each named under its part.",
+            "",
+        ]
+    notes = folder / "notes.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
     for name, render in (
         ("tests", _tests),
         ("dispatch", _dispatch),
@@ -30,7 +40,12 @@ def section(folder: Path) -> str:
         ("kernels", _kernels),
     ):
         if name in parts:
-            lines += render(parts[name])
+            body = render(parts[name])
+            if not one_machine:
+                seconds = status.get(name, {}).get("seconds")
+                took = f", {seconds:.0f} s" if seconds is not None else ""
+                body[2:2] = [f"Machine: {machines[name]}{took}.", ""]
+            lines += body
         elif name in status:
             lines += [f"### {name}", "", f"Did not finish: exit {status[name]['exit']}.", ""]
     lines.append(SECTION_END)
@@ -111,7 +126,8 @@ def _gpt2(r: dict[str, Any]) -> list[str]:
     base = r["rows"].get("plain eager", {}).get("step_ms")
     for label, row in r["rows"].items():
         if "error" in row:
-            lines.append(f"| {label} | failed: {row['error']} | | | | |")
+            error = " ".join(row["error"].split())[:160]
+            lines.append(f"| {label} | failed: {error} | | | | |")
             continue
         ratio = f"{row['step_ms'] / base:.2f}x" if base else "-"
         peak = f"{row['peak_gib']:.1f}" if row["peak_gib"] is not None else "-"
