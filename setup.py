@@ -11,12 +11,14 @@ setup(
     extras_require={
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn", "tqdm"],
+        "notebook": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
         "test": [
             "pytest>=7",
             "numpy",
             "nbclient",
             "nbformat",
             "ipykernel",
+            "matplotlib",
             "transformers>=5",
             "scikit-learn",
             "tqdm",

@@ -183,10 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
 
-    # torchrun sets this too, with a banner; one thread per rank keeps N ranks from
-    # oversubscribing the cores.
-    if args.nproc_per_node > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One thread per rank unless the user set OMP_NUM_THREADS, for one process as for many.
+    # torchrun does it for several processes only (N ranks of one thread per core each would
+    # oversubscribe the cores); doing it for one too keeps `--nproc_per_node 1` the same
+    # script's single-rank run with the same threads per rank, instead of a run whose
+    # threads fight other processes for the cores on a busy machine (several times slower).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     # Imported here so that `--help` and argument errors stay fast.
     from torch.distributed import run as torchrun

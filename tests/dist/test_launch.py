@@ -167,6 +167,50 @@ def test_torchrun_runs_four_ranks(tmp_path: Path) -> None:
     _assert_one_line_per_rank(result, 4)
 
 
+THREADS_SCRIPT = """
+    import os
+
+    import torch
+
+    rank = os.environ["RANK"]
+    print(f"rank {rank}: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("nproc", "user_setting", "threads"),
+    [(1, None, 1), (2, None, 1), (1, "2", 2), (2, "2", 2)],
+    ids=["1rank", "2ranks", "1rank-user-set", "2ranks-user-set"],
+)
+def test_every_rank_gets_the_same_threads_for_one_process_and_many(
+    tmp_path: Path, nproc: int, user_setting: str | None, threads: int
+) -> None:
+    """One thread per rank by default, with one process as with several (so a run with
+    ``--nproc_per_node 1`` is the single-rank run of the same script, not one that fights for
+    the cores); an OMP_NUM_THREADS the user set is kept."""
+    script = _write(tmp_path, "threads.py", THREADS_SCRIPT)
+    argv = [sys.executable, "-m", "sbpflow.distributed.launch", "--nproc_per_node", str(nproc)]
+    env = _env()
+    env.pop("OMP_NUM_THREADS", None)
+    if user_setting is not None:
+        env["OMP_NUM_THREADS"] = user_setting
+    result = subprocess.run(
+        [*argv, str(script)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    lines = set(re.findall(r"rank \d+: OMP_NUM_THREADS=\S+ torch threads \d+", result.stdout))
+    assert lines == {
+        f"rank {rank}: OMP_NUM_THREADS={threads} torch threads {threads}" for rank in range(nproc)
+    }, f"{result.stdout}\n{result.stderr}"
+
+
 def test_failing_rank_stops_the_run(tmp_path: Path) -> None:
     script = _write(tmp_path, "fails.py", FAILING_SCRIPT)
     marker = f"marker-{uuid.uuid4().hex}"

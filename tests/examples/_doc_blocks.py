@@ -68,6 +68,7 @@ class Program:
     ranks: int
     blocks: list[Block] = field(default_factory=list)
     kind: str = "script"
+    workdir: str = ""  # its working directory's name, when not its page's (shared by the page)
 
     @property
     def where(self) -> str:

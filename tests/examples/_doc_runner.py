@@ -4,7 +4,8 @@ PLAN is a JSON list of programs (see ``_doc_blocks.Program``), all for the same 
 ranks; this process runs programs START, START+1, ... in order, as the launcher runs a
 script on every rank, or plainly for a world of one. Each program gets a fresh namespace
 (``__name__ == "__main__"``), a working directory of its page (``OUT/work/<page>``, shared
-by the ranks, so a file a block writes is there for the next block of the page), and the
+by the ranks, so a file a block writes is there for the next block of the page; a program
+may name another with ``"workdir"``), and the
 random state of a fresh process. Its code is compiled with the page's path and line
 numbers, so a traceback points into the Markdown file.
 
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
     fresh_torch_state = torch.get_rng_state()
     for index in range(start, len(plan)):
         program = plan[index]
-        workdir = out / "work" / re.sub(r"\W", "_", program["page"])
+        workdir = out / "work" / re.sub(r"\W", "_", program.get("workdir", program["page"]))
         workdir.mkdir(parents=True, exist_ok=True)
         os.chdir(workdir)
         sbpflow.manual_seed(0)  # sbpflow's random state as a fresh process starts with it

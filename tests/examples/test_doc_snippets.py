@@ -128,6 +128,7 @@ def _run(group: list[Program], ranks: int, tmp: Path) -> dict[int, str]:
                 {
                     "page": p.page,
                     "kind": p.kind,
+                    "workdir": p.workdir or p.page,
                     "blocks": [
                         {"line": b.line, "code": b.code, "expected_output": b.expected_output}
                         for b in p.blocks
