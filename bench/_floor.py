@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
 
@@ -34,14 +33,24 @@ class Floor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        def unwrap(a: Any) -> Any:
-            return a._local if isinstance(a, Floor) else a
+        out = func(
+            *[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in (kwargs or {}).items()}
+        )
+        if isinstance(out, torch.Tensor):
+            return Floor.wrap(out)
+        if isinstance(out, (list, tuple)):
+            return type(out)(Floor.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
 
-        def wrap(o: Any) -> Any:
-            return Floor.wrap(o) if isinstance(o, torch.Tensor) else o
 
-        args, kwargs = tree_map(unwrap, (args, kwargs or {}))  # lists of tensors too (cat)
-        return tree_map(wrap, func(*args, **kwargs))
+def _unwrap(a: Any) -> Any:
+    """A ``Floor``'s local, or a list of them (``cat``, ``_foreach_*``) as a list of locals:
+    one level, as ATen's arguments are, and no pytree (it would raise the floor)."""
+    if isinstance(a, Floor):
+        return a._local
+    if isinstance(a, (list, tuple)):
+        return type(a)(x._local if isinstance(x, Floor) else x for x in a)
+    return a
 
 
 def floor_model(base: nn.Module) -> nn.Module:

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
+from bench._floor import Floor, floor_model  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
@@ -71,53 +72,12 @@ CONFIG = dict(
     max_position_embeddings=128,
 )
 
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
-
-
-class ListFloor(torch.Tensor):
-    """The minimal wrapper subclass, unwrapping lists of tensors (``_foreach_*``) as well."""
-
-    _local: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def wrap(local: torch.Tensor) -> ListFloor:
-        self = _make_wrapper_subclass(
-            ListFloor, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device
-        )
-        self._local = local
-        return self
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(
-            *[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in (kwargs or {}).items()}
-        )
-        if isinstance(out, torch.Tensor):
-            return ListFloor.wrap(out)
-        if isinstance(out, (list, tuple)):
-            return type(out)(ListFloor.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return out
-
-
-def _unwrap(a: Any) -> Any:
-    if isinstance(a, ListFloor):
-        return a._local
-    if isinstance(a, (list, tuple)):
-        return type(a)(x._local if isinstance(x, ListFloor) else x for x in a)
-    return a
-
 
 def _forms(base: nn.Module, device: str) -> dict[str, nn.Module]:
     placement = sbpflow.placement(device, [0])
-    floor = copy.deepcopy(base)
-    for module in floor.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = nn.Parameter(ListFloor.wrap(p.detach().clone()))
     return {
         "plain": copy.deepcopy(base),
-        "floor": floor,
+        "floor": floor_model(base),
         "sbpflow": copy.deepcopy(base).to_global(placement, sbpflow.sbp.broadcast),
     }
 
@@ -126,7 +86,7 @@ def _give_gradients(model: nn.Module, grads: list[torch.Tensor], form: str) -> N
     placement = None
     for p, g in zip(model.parameters(), grads, strict=True):
         if form == "floor":
-            p.grad = ListFloor.wrap(g.clone())
+            p.grad = Floor.wrap(g.clone())
         elif form == "sbpflow":
             placement = placement or p.placement
             p.grad = sbpflow.to_global(
