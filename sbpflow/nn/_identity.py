@@ -17,13 +17,15 @@
 #     gradient hooks, whose dicts stay on the Python object while the C++ tensor that runs
 #     them is replaced (the dicts are attached to the new C++ tensor, before the layout
 #     hook of ``keep_grad_layout``). Its ``.grad`` has no logical value to carry (which
-#     rank's?), so it must be None; a weakref to it, or a second user of its C++ tensor (a
-#     view of it), makes the swap impossible. Those are checked for every parameter of the
-#     call before any is converted, and raise with the fix.
+#     rank's?), so it must be None; a weakref to it, a second user of its C++ tensor (a
+#     view of it) or ``__slots__`` (a Parameter subclass) make the swap impossible. Those
+#     are checked for every parameter of the call before any is converted, and raise with
+#     the fix.
 """
 
 from __future__ import annotations
 
+import copyreg
 import weakref
 
 import torch
@@ -46,6 +48,13 @@ def check_convertible(param: torch.Tensor, name: str, what: str) -> None:
             "and a local gradient has no logical value to carry into the global parameter. "
             "Clear it first (optimizer.zero_grad() or module.zero_grad(), which set it to "
             "None), then convert."
+        )
+    slots = copyreg._slotnames(type(param))  # type: ignore[attr-defined]
+    if slots:
+        raise TypeError(
+            f"{what}: parameter {name!r} is a {type(param).__name__} with __slots__ {slots}, "
+            "which torch.utils.swap_tensors cannot exchange with a global tensor, so it cannot "
+            "be converted in place. Make it a torch.nn.Parameter first."
         )
     if _shared(param):
         raise RuntimeError(

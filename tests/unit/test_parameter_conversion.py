@@ -94,3 +94,15 @@ def test_a_global_gradient_is_boxed_with_its_parameter() -> None:
 def test_local_pieces_takes_a_bool() -> None:
     with pytest.raises(TypeError, match="local_pieces must be True or False"):
         _linear().to_global(_P, broadcast, local_pieces="yes")
+
+
+class _SlottedParameter(torch.nn.Parameter):
+    __slots__ = ("note",)
+
+
+def test_a_parameter_with_slots_raises_before_anything_changed() -> None:
+    model = _linear()
+    model.bias = _SlottedParameter(model.bias.detach())
+    with pytest.raises(TypeError, match=r"'bias' is a _SlottedParameter with __slots__"):
+        model.to_global(_P, broadcast)
+    assert not sbpflow.is_global(model.weight)
