@@ -140,6 +140,7 @@ class OpDispatcher:
         # torch.compile trace holds, join exactly as a torch.Tensor does in eager (else the
         # rule would not see them, and a trace could choose a layout eager would not).
         gt = _global.GlobalTensor
+        mutated = _mutated_ids(func, args, kwargs)
         for i, a in enumerate(flat):
             if isinstance(a, torch.Tensor) and not isinstance(a, gt) and a.dim() > 0:
                 if a.device.type != placement.type:  # NOTE [device moves]
@@ -150,8 +151,9 @@ class OpDispatcher:
                         ".to_global(placement, sbp)."
                     )
                 flat[i] = gt(a, full, a.shape)
+                if id(a) in mutated:  # written into: its broadcast layout is kept, so the
+                    mutated.add(id(flat[i]))  # op writes into ``a`` itself, not a boxed copy
         positions = [i for i, a in enumerate(flat) if isinstance(a, gt)]
-        mutated = _mutated_ids(func, args, kwargs)
         kept = [k for k, i in enumerate(positions) if id(flat[i]) in mutated]
         decision = self.propagator.propagate(
             registered, func, args, kwargs, metadata_of(flat), spec, placement, kept

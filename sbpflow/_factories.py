@@ -76,7 +76,11 @@ def _layout_for(placement: Any, sbp: Any, ndim: int, name: str) -> Layout:
         )
     if sbp is None:
         raise ValueError(f"sbpflow.{name} needs sbp=, e.g. sbp=sbpflow.sbp.broadcast.")
-    return Layout(placement, normalize(sbp, placement.ndim, ndim))
+    layout = Layout(placement, normalize(sbp, placement.ndim, ndim))
+    # The device first: a cuda placement without CUDA is to_global's clear error, raised before
+    # any process group of the placement is made (which would fail inside torch.distributed).
+    device_for(placement.type)
+    return layout
 
 
 def _build(

@@ -51,6 +51,7 @@ __all__ = [
     "drop_grad_layout_hook",
     "has_only_layout_hooks",
     "is_global",
+    "is_layout_hook",
     "keep_grad_layout",
     "meta_of",
     "register_grad_hook",
@@ -558,6 +559,11 @@ def has_only_layout_hooks(leaf: GlobalTensor) -> bool:
         and all(hook is _to_own_layout for hook in pre.values())
         and all(hook is _after_accumulate for hook in post.values())
     )
+
+
+def is_layout_hook(hook: object) -> bool:
+    """Whether ``hook`` is one of ``keep_grad_layout``'s (not a user's)."""
+    return hook is _to_own_layout or hook is _after_accumulate
 
 
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:

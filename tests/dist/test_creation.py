@@ -5,7 +5,8 @@ B) must equal the same factory on a one-rank placement with the same seed, on
 worlds of 1, 2 and 4 ranks and for every SBP (random values depend only on the
 seed); ``to_global(placement, B)`` must hand every rank the first rank's data
 without touching the callers' tensors; ``Module.to_global`` must convert
-parameters and buffers in place with the local-to-global rules of DESIGN §2.
+parameters and buffers in place, a plain tensor read as the whole logical tensor (rank 0's)
+unless ``local_pieces=True`` reads it as this rank's piece.
 """
 
 from __future__ import annotations
@@ -176,13 +177,22 @@ def module_to_global() -> dict[str, Any]:
     assert torch.equal(weight.to_local(), torch.tensor_split(synced["0.weight"], n)[rank])
     assert torch.equal(weight.to_global(sbp=broadcast).to_local(), synced["0.weight"])
 
-    # Local -> global with a callable: split parameters take each rank's tensor as its shard.
+    # Local -> global with a callable: a plain parameter given split is the whole logical
+    # tensor (rank 0's), each rank keeping its slice; local_pieces=True reads each rank's
+    # tensor as its own shard.
+    def split_weights(name: str, t: torch.Tensor) -> SbpParallel:
+        return split(0) if t.ndim == 2 else broadcast
+
     torch.manual_seed(rank)
-    fresh = _model().to_global(pl, lambda name, t: split(0) if t.ndim == 2 else broadcast)
+    whole = _model().to_global(pl, split_weights)
+    assert whole[0].weight.shape == (6, 4) and whole[0].bias.sbp == (broadcast,)
+    whole_weight = whole[0].weight.to_global(sbp=broadcast).to_local()
+    torch.manual_seed(rank)
+    fresh = _model().to_global(pl, split_weights, local_pieces=True)
     assert fresh[0].weight.shape == (6 * n, 4)
     assert torch.equal(fresh[0].weight.to_local(), original["0.weight"])
     assert fresh[0].bias.sbp == (broadcast,)
-    return {"original": original, "synced": synced}
+    return {"original": original, "synced": synced, "whole_weight": whole_weight}
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
@@ -192,3 +202,4 @@ def test_module_to_global_converts_params_and_buffers_in_place(dist_pool: Distri
     for rank, result in enumerate(results):
         for key, value in result["synced"].items():
             assert torch.equal(value, head[key]), f"rank {rank} {key} is not rank 0's"
+        assert torch.equal(result["whole_weight"], head["0.weight"]), f"rank {rank}"

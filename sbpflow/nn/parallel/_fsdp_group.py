@@ -32,10 +32,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, wrap
+from ..._global import GlobalTensor, is_layout_hook, wrap
 from ..._layout import Layout
 from ...boxing import tracing as _trace
 from ...boxing._redistribute import box_below_autograd
@@ -235,15 +236,40 @@ class PendingReduction:
 
 
 def _accumulate(p: ShardedParam, shard: torch.Tensor) -> None:
-    """``p.param.grad += shard`` (this rank's shard of the reduced gradient)."""
+    """``p.param.grad += shard`` (this rank's shard of the reduced gradient), through the
+    parameter's gradient hooks (NOTE [hooks of a fully sharded parameter])."""
     param = p.param
     local = param._local
     if shard.dtype != local.dtype or not shard.is_contiguous():
         shard = shard.to(local.dtype, memory_format=torch.contiguous_format)
+    grad = wrap(shard, param._meta)
+    pre = _user_hooks(param._backward_hooks)
+    for hook in pre:
+        out = hook(grad)
+        grad = grad if out is None else out
     current = param.grad
     if current is None:
-        param.grad = wrap(shard, param._meta)
-    elif isinstance(current, GlobalTensor) and current._layout == param._layout:
-        current._local.add_(shard)
+        param.grad = grad
+    elif (
+        isinstance(current, GlobalTensor)
+        and isinstance(grad, GlobalTensor)
+        and current._layout == grad._layout == param._layout
+    ):
+        current._local.add_(grad._local)
     else:
-        param.grad = current + wrap(shard, param._meta)
+        param.grad = current + grad
+    for post in _user_hooks(param._post_accumulate_grad_hooks):
+        post(param)
+
+
+# NOTE [hooks of a fully sharded parameter]
+# A fully sharded parameter gets its gradient from its block's reduce_scatter, not from
+# autograd's AccumulateGrad, so autograd never runs its hooks. They run here, as torch
+# FSDP2 runs post-accumulate-grad hooks: a hook made with ``register_hook`` gets the
+# reduced gradient (the logical gradient, laid out as the sharded parameter) before it
+# is added to ``.grad`` and may return a replacement; a post-accumulate-grad hook runs
+# once ``.grad`` holds it. The layout hooks of ``keep_grad_layout`` have nothing to do here.
+
+
+def _user_hooks(hooks: Any) -> list[Any]:
+    return [h for h in (hooks or {}).values() if not is_layout_hook(h)]

@@ -12,9 +12,12 @@
 # gradients into the rows of the block's one reduce_scatter (P -> S(d)); it hands
 # autograd None in their place, so the unsharded gradients are freed before the node's
 # backward starts the reduce_scatter (whose buffers would otherwise be alive with them:
-# autograd holds a node's inputs until the node returns). The node returns no gradient
-# for the sharded parameters, whose ``.grad`` receives its shard when the reduce_scatter
-# completes. The next block's post-backward (so one reduce_scatter is in flight while the
+# autograd holds a node's inputs until the node returns). The node's input is not the
+# sharded parameters but an anchor leaf of the module (an empty tensor requiring grad):
+# a sharded parameter's ``.grad`` receives its shard when the reduce_scatter completes,
+# and its gradient hooks run there (NOTE [hooks of a fully sharded parameter] in
+# _fsdp_group); as an input, its AccumulateGrad would run too, with no gradient, and call
+# them once more. The next block's post-backward (so one reduce_scatter is in flight while the
 # block before it computes its backward) or the end of the backward pass, whichever
 # comes first, waits for it and writes ``.grad``, so ``clip_grad_norm_`` and
 # ``optimizer.step()`` find every gradient reduced.
@@ -132,6 +135,8 @@ class FSDPState:
         self.ctx = _StepContext()
         self.ctx.states.append(self)
         self._adopted = False
+        # the input of the block's gather node (NOTE [gathered parameters in autograd])
+        self._anchor = torch.empty(0, requires_grad=True)
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=True),
@@ -163,7 +168,7 @@ class FSDPState:
         self._prefetch_forward()
         params = group.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            gathered = _GatheredParams.apply(self, *(p.param for p in params))
+            gathered = _GatheredParams.apply(self, self._anchor)
             node = next(t.grad_fn for t in gathered if t.grad_fn is not None)
             node.register_prehook(self._pack_gradients)
         else:
@@ -262,7 +267,7 @@ class _GatheredParams(torch.autograd.Function):
     reduced for the block (NOTE [gathered parameters in autograd])."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: FSDPState, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.set_materialize_grads(False)
         params = state.group.params
@@ -275,7 +280,7 @@ class _GatheredParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.state.post_backward()  # the gradients went to the pre-hook, these are None
-        return (None,) * (1 + len(grads))
+        return None, None
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

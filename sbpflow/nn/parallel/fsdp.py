@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..._global import GlobalTensor, keep_grad_layout, meta_of, wrap
+from ..._global import GlobalTensor, meta_of, wrap
 from ..._meta_check import stable_hash
 from ...comm._mesh import MESHES
 from ...comm._meta import same_on_every_rank
@@ -29,6 +29,7 @@ from ...comm._world import get_rank, get_world_size
 from ...placement import Placement
 from ...sbp import Broadcast, Partial, sbp_str
 from ...tensor import to_global
+from .._identity import check_convertible, convert_in_place
 from ._fsdp_group import ParamGroup, ShardedState
 from ._fsdp_param import DATA_AXIS, ShardedParam, shard_dim, sharded_layout
 from ._fsdp_state import STATE_ATTR, FSDPState, MixedPrecision
@@ -133,7 +134,10 @@ def fully_shard(
     them again for the backward (less memory); the root module keeps them (it runs first
     in backward). ``mp_policy``: a ``MixedPrecisionPolicy``.
 
-    Create the optimizer afterwards (the parameters are new objects). The module's class
+    Each parameter stays the same object (NOTE [parameters keep their identity] in
+    sbpflow/nn/_identity.py), so an optimizer made before or after trains the module, and
+    its gradient hooks run on its sharded gradient once reduced (``.grad`` is then this
+    rank's shard of the logical gradient, as the optimizer steps on it). The module's class
     becomes a subclass of ``FSDPModule``; returns ``module``. Every rank must call this
     with the same module structure; bad input raises a ``ValueError`` on every rank.
     """
@@ -165,6 +169,9 @@ def fully_shard(
     entries = _unmanaged_params(module)
     placement = _resolve_placement(placement, entries)
     _check(entries, placement)
+    for entry in entries:
+        check_convertible(entry.tensor, entry.name, "fully_shard")
+        _leave_data_parallel_sync(entry)
     rank = get_rank()
     MESHES.of(placement, "fully_shard")
     _agree(entries, placement)
@@ -327,36 +334,39 @@ def _shard(entry: _Entry, placement: Placement) -> tuple[GlobalTensor, int] | No
     layout = t._layout
     dim = shard_dim(layout, t.ndim)
     if dim is None or placement.shape[DATA_AXIS] == 1:
-        new = t if entry.tensor is t else _parameter(_detached(t), requires_grad)
-        _replace(entry, new)
+        _replace(entry, t)
         return None
     target = sharded_layout(layout, dim)
     with torch.no_grad():
         boxed = to_global(t.detach(), placement, target.sbp, check_meta=False)
     # the slice of a broadcast piece is a view of it: a copy of its own frees the rest
     local = boxed._local.clone(memory_format=torch.contiguous_format)
-    param = _parameter(wrap(local, meta_of(target, tuple(t.shape), t.dtype)), requires_grad)
-    _replace(entry, param)
+    _replace(entry, wrap(local, meta_of(target, tuple(t.shape), t.dtype)))
+    param = entry.tensor
+    assert isinstance(param, GlobalTensor) and param.requires_grad == requires_grad
     return param, dim
 
 
-def _detached(t: GlobalTensor) -> GlobalTensor:
-    out = t.detach()
-    assert isinstance(out, GlobalTensor)
-    return out
+def _replace(entry: _Entry, value: GlobalTensor) -> None:
+    """The parameter takes ``value`` and stays the same object (NOTE [parameters keep their
+    identity] in sbpflow/nn/_identity.py)."""
+    convert_in_place(entry.tensor, value, entry.name, "fully_shard")
 
 
-def _parameter(value: GlobalTensor, requires_grad: bool) -> GlobalTensor:
-    param = torch.nn.Parameter(value, requires_grad=requires_grad)
-    if requires_grad:
-        keep_grad_layout(param)
-    return param  # type: ignore[return-value]
-
-
-def _replace(entry: _Entry, param: torch.Tensor) -> None:
-    for owner, attr in entry.owners:
-        owner._parameters[attr] = param  # type: ignore[assignment]
-    entry.tensor = param
+def _leave_data_parallel_sync(entry: _Entry) -> None:
+    """A parameter that trained data parallel leaves its bucketed gradient sync: fully_shard
+    reduces its gradients from now on (the default sync's other parameters go back to the
+    per-parameter path and join buckets again in their next backward pass)."""
+    sync = entry.tensor.__dict__.get("_grad_sync")
+    if sync is None:
+        return
+    if sync.explicit:
+        raise ValueError(
+            f"fully_shard: parameter {entry.name!r} has its gradients reduced by "
+            "sync_gradients(...), and fully_shard reduces them itself. Call sync.remove() "
+            "first, or leave the module out of fully_shard."
+        )
+    sync.remove()
 
 
 _classes: dict[type, type] = {}
