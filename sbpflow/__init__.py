@@ -24,6 +24,7 @@ from ._factories import (
     zeros_like,
 )
 from ._visualize import visualize
+from .auto_parallel import auto_parallel  # the function (types: from sbpflow.auto_parallel import Plan)
 from .checkpoint import export_safetensors, load, save
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global, to_global
@@ -34,6 +35,7 @@ __all__ = [
     "GlobalTensor",
     "Placement",
     "arange",
+    "auto_parallel",
     "boxing",
     "checkpoint",
     "empty",
