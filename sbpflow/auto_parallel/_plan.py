@@ -130,7 +130,8 @@ class Plan:
 
         Every rank must hold the full logical model (as after the same seed): it is converted
         as broadcast, then each parameter is boxed to its layout; buffers stay broadcast.
-        Parameters keep their identity, so an optimizer made earlier keeps working.
+        This goes through ``Module.to_global``, so parameters are what it leaves: make the
+        optimizer after ``apply``.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
