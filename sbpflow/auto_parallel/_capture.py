@@ -320,9 +320,7 @@ def _tie_blocks(nodes: list[Node]) -> None:
                 continue
             for a, b in zip(first, members, strict=True):
                 nodes[b].tie = a
-                for (src_a, _), (src_b, _) in zip(
-                    nodes[a].inputs, nodes[b].inputs, strict=True
-                ):
+                for (src_a, _), (src_b, _) in zip(nodes[a].inputs, nodes[b].inputs, strict=True):
                     if nodes[src_b].kind == "param" and src_a != src_b:
                         param_ties.setdefault(src_b, set()).add(src_a)
     for param, reps in param_ties.items():

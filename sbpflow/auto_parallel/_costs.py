@@ -50,7 +50,9 @@ _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
 def optimizer_states(optimizer: object) -> int:
     """Tensors of optimizer state per parameter, each the parameter's size and layout."""
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (str, int)) and optimizer is not None:
+    if optimizer is not None and (
+        isinstance(optimizer, bool) or not isinstance(optimizer, (str, int))
+    ):
         raise TypeError(
             f"optimizer must be a name in {sorted(_OPTIMIZERS)}, a number of state tensors per "
             f"parameter, or None; got {type(optimizer).__name__} {optimizer!r}."
@@ -69,7 +71,9 @@ def optimizer_states(optimizer: object) -> int:
     return _OPTIMIZERS[optimizer.lower()]
 
 
-def local_bytes(shape: Sequence[int], dtype: torch.dtype, layout: NdSbp, mesh: Sequence[int]) -> float:
+def local_bytes(
+    shape: Sequence[int], dtype: torch.dtype, layout: NdSbp, mesh: Sequence[int]
+) -> float:
     """Bytes one rank holds of a tensor (even splits, NOTE [balanced split] aside)."""
     shards = math.prod(n for s, n in zip(layout, mesh, strict=True) if isinstance(s, Split))
     return math.prod(shape) * dtype.itemsize / shards

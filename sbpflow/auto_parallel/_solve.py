@@ -64,7 +64,9 @@ def node_bytes(node: Node, strategy: Strategy, prices: Prices, optimizer_states:
     mesh = prices.mesh
     if node.kind == "param":
         copies = 2 + optimizer_states if node.requires_grad else 1
-        return copies * local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh)
+        return copies * local_bytes(
+            node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh
+        )
     if node.kind in ("buffer", "input"):
         return local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh)
     if node.kind == "op" and node.requires_grad and not is_view(node):
@@ -221,7 +223,8 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
                     o = output[1]
-                    costs[k] += output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])[0]
+                    seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
+                    costs[k] += seconds
         offset[rep] = program.choice(costs, memory)
 
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:

@@ -219,7 +219,7 @@ def _cat(node: Node) -> list[AxisOption]:
     if any(len(s) != rank for s in node.in_shapes):
         return []
     options = [((split(d),) * n_in, (split(d),)) for d in range(rank) if d != dim]
-    return options + [((P,) * n_in, (P,))]
+    return [*options, ((P,) * n_in, (P,))]
 
 
 @_rule("mm")
@@ -319,7 +319,7 @@ def _norm(node: Node) -> list[AxisOption]:
 def _embedding(node: Node) -> list[AxisOption]:
     out_rank = len(node.out_shapes[0])
     options = [((B, split(d)), (split(d),)) for d in range(len(node.in_shapes[1]))]
-    return options + [((split(1), B), (split(out_rank - 1),)), ((split(0), B), (P,))]
+    return [*options, ((split(1), B), (split(out_rank - 1),)), ((split(0), B), (P,))]
 
 
 @_rule("nll_loss_forward")
@@ -430,7 +430,9 @@ def _divides(shape: Sequence[int], layout: NdSbp, mesh: Sequence[int]) -> bool:
 
 
 def _local_fraction(layout: NdSbp, mesh: Sequence[int]) -> float:
-    return 1.0 / math.prod(size for s, size in zip(layout, mesh, strict=True) if isinstance(s, Split))
+    return 1.0 / math.prod(
+        size for s, size in zip(layout, mesh, strict=True) if isinstance(s, Split)
+    )
 
 
 def _grad(inp: SbpParallel, outs: Sequence[SbpParallel]) -> SbpParallel:
@@ -466,11 +468,17 @@ def strategies(node: Node, mesh: Sequence[int]) -> list[Strategy]:
             continue
         seen.add((inputs, outputs, tuple(partial)))
         grads = tuple(
-            tuple(P if pg else _grad(opt[0][i], opt[1]) for opt, pg in zip(combo, partial))
+            tuple(
+                P if pg else _grad(opt[0][i], opt[1])
+                for opt, pg in zip(combo, partial, strict=True)
+            )
             for i in range(len(node.in_shapes))
         )
         out_grads = tuple(
-            tuple(P if pg else grad_target((opt[1][j],))[0] for opt, pg in zip(combo, partial))
+            tuple(
+                P if pg else grad_target((opt[1][j],))[0]
+                for opt, pg in zip(combo, partial, strict=True)
+            )
             for j in range(len(node.out_shapes))
         )
         fraction = min(_local_fraction(layout, mesh) for _, layout in tensors)
@@ -483,9 +491,12 @@ def op_flops(node: Node) -> tuple[float, float]:
     if node.kind != "op" or is_view(node):
         return 0.0, 0.0
     itemsize = node.out_dtypes[0].itemsize
-    num_bytes = float(
-        sum(math.prod(s) for s in node.in_shapes) + sum(math.prod(s) for s in node.out_shapes)
-    ) * itemsize
+    num_bytes = (
+        float(
+            sum(math.prod(s) for s in node.in_shapes) + sum(math.prod(s) for s in node.out_shapes)
+        )
+        * itemsize
+    )
     base = _base(node.target)
     out = node.out_shapes[0]
     if base in ("mm", "addmm"):

@@ -88,7 +88,9 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
         assert got["explain"] == first["explain"], f"rank {rank} made another plan"
         for step, (loss, want) in enumerate(got["losses"]):
             assert abs(loss - want) <= _TOL * max(1.0, abs(want)), (rank, step, loss, want)
-        assert not got["errors"], f"rank {rank}: parameters differ from one process: {got['errors']}"
+        assert not got["errors"], (
+            f"rank {rank}: parameters differ from one process: {got['errors']}"
+        )
     return first
 
 
@@ -96,11 +98,12 @@ def test_megatron_plan_trains_like_one_process() -> None:
     """The batch pinned broadcast: the plan is Megatron's layout (up split(0), down
     split(1), the rest broadcast) and 3 steps equal one process."""
     got = _check(get_pool(2).run(plan_and_train_job, True))
-    megatron = {
-        name: "S(0)" if name.endswith(("up.weight", "up.bias")) else
-        "S(1)" if name.endswith("down.weight") else "B"
-        for name in got["layouts"]
-    }
+    megatron = {name: "B" for name in got["layouts"]}
+    for name in megatron:
+        if name.endswith(("up.weight", "up.bias")):
+            megatron[name] = "S(0)"
+        elif name.endswith("down.weight"):
+            megatron[name] = "S(1)"
     assert got["layouts"] == megatron
 
 

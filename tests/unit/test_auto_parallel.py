@@ -226,13 +226,20 @@ def test_bad_arguments_raise_with_the_fix() -> None:
 
 def test_explain_and_diff_read_the_plan() -> None:
     model = _mlp_model(blocks=2)
-    plan = sbpflow.auto_parallel(model, sbpflow.placement("cpu", [0, 1]), torch.randn(512, 256), fixed={0: B})
+    plan = sbpflow.auto_parallel(
+        model, sbpflow.placement("cpu", [0, 1]), torch.randn(512, 256), fixed={0: B}
+    )
     assert isinstance(plan, Plan)
     text = plan.explain()
     for needle in ("0.up.weight", "S(0)", "all_reduce", "predicted step", "optimizer state"):
         assert needle in text
     replicated = plan.diff({})
     assert sorted(name for name, _, _ in replicated) == [
-        "0.down.weight", "0.up.bias", "0.up.weight", "1.down.weight", "1.up.bias", "1.up.weight"
+        "0.down.weight",
+        "0.up.bias",
+        "0.up.weight",
+        "1.down.weight",
+        "1.up.bias",
+        "1.up.weight",
     ]
     assert "<table>" in plan._repr_html_()
