@@ -241,8 +241,18 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> G
         meta = _meta(x)
         inputs.append(meta)
         input_nodes.append(recorder.leaf("input", f"input{i}", meta))
-    with _module_hooks(model, recorder), _FusedRecorder(recorder), _DispatchRecorder(recorder):
-        out = torch.func.functional_call(model, state, tuple(inputs), tie_weights=False)
+    try:
+        with _module_hooks(model, recorder), _FusedRecorder(recorder), _DispatchRecorder(recorder):
+            out = torch.func.functional_call(model, state, tuple(inputs), tie_weights=False)
+    except RuntimeError as error:
+        if "meta tensors" not in str(error):
+            raise
+        raise ValueError(
+            "the model's forward reads a tensor's value (.item(), bool(), a data-dependent "
+            "branch), but auto_parallel runs it on meta tensors, with shapes and no data. Make "
+            "the forward's control flow independent of values (Hugging Face models: keep the "
+            f"default use_cache, or pass an attention mask). The error was: {error}"
+        ) from error
     outputs = tuple(
         recorder.produced[id(t)]
         for t in _output_tensors(out)

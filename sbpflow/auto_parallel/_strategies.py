@@ -215,11 +215,14 @@ def _select(node: Node) -> list[AxisOption]:
 def _cat(node: Node) -> list[AxisOption]:
     rank = len(node.out_shapes[0])
     dim = int(_arg(node, 1, "dim", 0)) % rank  # type: ignore[arg-type]
-    n_in = len(node.in_shapes)
-    if any(len(s) != rank for s in node.in_shapes):
+    # empty pieces (a fresh key/value cache) are skipped by cat: they may stay broadcast
+    full = [math.prod(s) > 0 for s in node.in_shapes]
+    if any(len(s) != rank for s, f in zip(node.in_shapes, full, strict=True) if f):
         return []
-    options = [((split(d),) * n_in, (split(d),)) for d in range(rank) if d != dim]
-    return [*options, ((P,) * n_in, (P,))]
+    options = [
+        (tuple(split(d) if f else B for f in full), (split(d),)) for d in range(rank) if d != dim
+    ]
+    return [*options, (tuple(P if f else B for f in full), (P,))]
 
 
 @_rule("mm")
