@@ -39,12 +39,15 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def plan_and_train_job(fixed_broadcast: bool) -> dict[str, Any]:
+def plan_and_train_job(case: str) -> dict[str, Any]:
+    """``megatron``: bench/tp's blocks, the batch pinned broadcast; ``data``: small blocks and
+    a wide batch, nothing pinned."""
     placement = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    reference = nn.Sequential(Block(256, 1024), Block(256, 1024))
-    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(1))
-    fixed = {0: broadcast} if fixed_broadcast else None
+    dim, inner, rows = (256, 1024, 512) if case == "megatron" else (32, 64, 4096)
+    reference = nn.Sequential(Block(dim, inner), Block(dim, inner))
+    x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
+    fixed = {0: broadcast} if case == "megatron" else None
     plan = sbpflow.auto_parallel(reference, placement, x, fixed=fixed, optimizer="sgd")
     model = copy.deepcopy(reference)
     assert plan.apply(model) is model
@@ -74,6 +77,7 @@ def plan_and_train_job(fixed_broadcast: bool) -> dict[str, Any]:
     predicted = Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective)
     return {
         "layouts": {n: sbp_str(s) for n, s in plan.param_sbp.items()},
+        "input": sbp_str(plan.input_sbp[0]),
         "explain": plan.explain(),
         "losses": losses,
         "errors": errors,
@@ -97,7 +101,7 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
 def test_megatron_plan_trains_like_one_process() -> None:
     """The batch pinned broadcast: the plan is Megatron's layout (up split(0), down
     split(1), the rest broadcast) and 3 steps equal one process."""
-    got = _check(get_pool(2).run(plan_and_train_job, True))
+    got = _check(get_pool(2).run(plan_and_train_job, "megatron"))
     megatron = {name: "B" for name in got["layouts"]}
     for name in megatron:
         if name.endswith(("up.weight", "up.bias")):
@@ -107,6 +111,10 @@ def test_megatron_plan_trains_like_one_process() -> None:
     assert got["layouts"] == megatron
 
 
-def test_free_plan_trains_like_one_process() -> None:
-    """Nothing fixed: whatever the plan chooses, 3 steps equal one process."""
-    _check(get_pool(2).run(plan_and_train_job, False))
+def test_data_parallel_plan_trains_like_one_process() -> None:
+    """Nothing fixed, a batch far larger than the weights: the plan is data parallel (every
+    parameter broadcast, the batch split on dim 0) and 3 steps equal one process (the
+    gradients' all_reduces ran)."""
+    got = _check(get_pool(2).run(plan_and_train_job, "data"))
+    assert set(got["layouts"].values()) == {"B"} and got["input"] == "S(0)", got
+    assert all(backward.get("all_reduce", 0) > 0 for _, backward in got["ran"]), got["ran"]
