@@ -189,7 +189,8 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
             producer = graph.nodes[u]
             out_layout = chosen(u).outputs[o]
             shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
-            steps = prices.boxing(shape, dtype, out_layout, strategy.inputs[i])[1]
+            source = solution.distribute.get((problem.reps[u], o), out_layout)
+            steps = prices.boxing(shape, dtype, source, strategy.inputs[i])[1]
             collectives += _collectives(steps, "forward", shape, name_of(u))
             grad_layout = strategy.grads[i]
             target = solution.accumulate.get((problem.reps[u], o))
@@ -229,17 +230,23 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         if graph.nodes[u].requires_grad:
             steps = prices.boxing(shape, dtype, target, needs)[1]
             output_collectives += _collectives(steps, "backward", shape, "output gradient")
-    gradient_collectives: list[Collective] = []
+    producer_collectives: list[Collective] = []
     for node in graph.nodes:
         for o, (shape, dtype) in enumerate(zip(node.out_shapes, node.out_dtypes, strict=True)):
+            spread = solution.distribute.get((problem.reps[node.index], o))
+            if spread is not None:
+                steps = prices.boxing(shape, dtype, chosen(node.index).outputs[o], spread)[1]
+                producer_collectives += _collectives(
+                    steps, "forward", shape, name_of(node.index) + " (for all its readers)"
+                )
             summed = solution.accumulate.get((problem.reps[node.index], o))
             if summed is not None:
                 target = chosen(node.index).out_grads[o]
                 steps = prices.boxing(shape, dtype, summed, target)[1]
-                gradient_collectives += _collectives(
+                producer_collectives += _collectives(
                     steps, "backward", shape, name_of(node.index) + " summed gradient"
                 )
-    boxing_seconds += sum(c.seconds for c in gradient_collectives)
+    boxing_seconds += sum(c.seconds for c in producer_collectives)
     params = []
     param_bytes = grad_bytes = 0.0
     counted = set()
@@ -266,7 +273,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         output_sbp=tuple(output_sbp),
         ops=tuple(ops),
         output_collectives=tuple(output_collectives),
-        gradient_collectives=tuple(gradient_collectives),
+        producer_collectives=tuple(producer_collectives),
         memory=memory,
         compute_seconds=compute,
         boxing_seconds=boxing_seconds,

@@ -95,7 +95,9 @@ class Plan:
     output_sbp: tuple[NdSbp, ...]
     ops: tuple[OpChoice, ...]
     output_collectives: tuple[Collective, ...]  # handing the outputs to the loss
-    gradient_collectives: tuple[Collective, ...]  # summed gradients boxed at their producer
+    # boxing done once at an output read by several ops, for all of them: the output to its
+    # shared layout (forward), the summed gradient to the producer's layout (backward)
+    producer_collectives: tuple[Collective, ...]
     memory: Memory
     compute_seconds: float
     boxing_seconds: float
@@ -122,7 +124,7 @@ class Plan:
     def collectives(self) -> list[Collective]:
         """Every boxing step of a step, forward and backward (local ones included)."""
         found = [c for op in self.ops for c in op.collectives]
-        return found + list(self.output_collectives) + list(self.gradient_collectives)
+        return found + list(self.output_collectives) + list(self.producer_collectives)
 
     # -- applying -----------------------------------------------------------------
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -222,10 +224,10 @@ class Plan:
         for c in self.output_collectives:
             if c.is_collective:
                 lines.append(f"  (outputs) {c}")
-        summed = [c for c in self.gradient_collectives if c.is_collective]
-        if summed:
-            lines.append("summed gradients:")
-            lines += [f"      {c}" for c in summed]
+        once = [c for c in self.producer_collectives if c.is_collective]
+        if once:
+            lines.append("outputs read by several ops (boxed once for all of them):")
+            lines += [f"      {c}" for c in once]
         if self.fallback_ops:
             lines.append(
                 "ops with no rule (computed broadcast on every rank): "

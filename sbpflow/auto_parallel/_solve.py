@@ -29,10 +29,10 @@ from ._strategies import Strategy, grad_target, is_view
 __all__ = [
     "Problem",
     "Solution",
-    "accumulated",
     "edge_seconds",
     "node_bytes",
     "output_seconds",
+    "shared",
     "solve",
 ]
 
@@ -51,7 +51,8 @@ class Problem:
 @dataclass
 class Solution:
     chosen: dict[int, int]  # representative -> index of its strategy
-    accumulate: dict[tuple[int, int], NdSbp]  # NOTE [gradient accumulation]
+    accumulate: dict[tuple[int, int], NdSbp]  # G per shared output (NOTE [shared outputs])
+    distribute: dict[tuple[int, int], NdSbp]  # F per shared output
     seconds: float  # predicted step (the objective without tie breaks)
     bytes_per_rank: float
     num_variables: int
@@ -121,25 +122,28 @@ def output_seconds(
     return best
 
 
-def accumulated(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
-    """Outputs (of representatives) whose gradient sums several consumers' before boxing.
+def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
+    """Outputs (of representatives) read by several ops.
 
-    NOTE [gradient accumulation]: with one consumer, the gradient is boxed straight to the
-    layout its producer needs. With several, each consumer's gradient is boxed to one
-    accumulation layout G (a variable of the program: partial when they all come partial,
-    so Megatron's column-parallel q, k and v share one all_reduce), then the sum once from
-    G to the producer's layout.
+    NOTE [shared outputs]: with one consumer, an output is boxed straight to the layout its
+    consumer reads, and the gradient straight back. With several, the output is boxed once
+    to a distribution layout F (a variable of the program), then from F to each consumer's
+    layout: q, k and v reading one all_gathered input pay one all_gather. Backward, each
+    consumer's gradient is boxed to one accumulation layout G (another variable: partial
+    when they all come partial, so Megatron's column-parallel q, k and v share one
+    all_reduce), and the sum once from G to the layout the producer needs. F and G equal
+    to the producer's own layouts give back the one-consumer prices.
     """
     uses: Counter[tuple[int, int]] = Counter()
     for node in graph.nodes:
         for producer in node.inputs:
             uses[producer] += 1
-    found = set()
-    for (u, o), n in uses.items():
-        node = graph.nodes[u]
-        if n > 1 and reps[u] == u and node.requires_grad and node.out_dtypes[o].is_floating_point:
-            found.add((u, o))
-    return found
+    return {(u, o) for (u, o), n in uses.items() if n > 1 and reps[u] == u}
+
+
+def _needs_grad(graph: Graph, u: int, o: int) -> bool:
+    node = graph.nodes[u]
+    return node.requires_grad and node.out_dtypes[o].is_floating_point
 
 
 class _Program:
@@ -230,22 +234,43 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:
         return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
 
-    # accumulation layouts (NOTE [gradient accumulation])
-    sums = accumulated(graph, reps)
-    candidates: dict[tuple[int, int], list[NdSbp]] = {}
-    for u, o in sorted(sums):
-        found = {s.out_grads[o] for s in problem.choices[u]}
-        for node in graph.nodes:
-            for i, producer in enumerate(node.inputs):
-                if producer == (u, o):
-                    found.update(s.grads[i] for s in problem.choices[reps[node.index]])
-        candidates[(u, o)] = sorted(found, key=str)
+    # distribution and accumulation layouts (NOTE [shared outputs])
+    many = shared(graph, reps)
+    consumers: dict[tuple[int, int], list[tuple[int, int]]] = {key: [] for key in many}
+    for node in graph.nodes:
+        for i, (u, o) in enumerate(node.inputs):
+            if (reps[u], o) in consumers:
+                consumers[(reps[u], o)].append((reps[node.index], i))
+    spread: dict[tuple[int, int], list[NdSbp]] = {}  # F candidates
+    candidates: dict[tuple[int, int], list[NdSbp]] = {}  # G candidates
+    for u, o in sorted(many):
+        found = {s.outputs[o] for s in problem.choices[u]}
+        for v, i in consumers[(u, o)]:
+            found.update(s.inputs[i] for s in problem.choices[v])
+        spread[(u, o)] = sorted(found, key=str)
+        if _needs_grad(graph, u, o):
+            found = {s.out_grads[o] for s in problem.choices[u]}
+            for v, i in consumers[(u, o)]:
+                found.update(s.grads[i] for s in problem.choices[v])
+            candidates[(u, o)] = sorted(found, key=str)
+    spread_offset = {}
     sum_offset = {}
-    for (u, o), layouts in candidates.items():
-        sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+    for (u, o), layouts in spread.items():
         node = graph.nodes[u]
         shape, dtype = node.out_shapes[o], node.out_dtypes[o]
         left = producer_groups(u, o)
+        spread_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+        right = _groups(spread_offset[(u, o)], list(layouts))
+        table = {
+            (a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0]  # type: ignore[index]
+            for a in left
+            for f in right
+        }
+        program.pair(left, right, table)
+        if (u, o) not in candidates:
+            continue
+        layouts = candidates[(u, o)]
+        sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
         table = {
             (a, g): counts[u] * prices.boxing(shape, dtype, g, a[1])[0]  # type: ignore[index]
@@ -262,16 +287,18 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     for (u, o, v, i), count in sorted(merged.items()):
         producer = graph.nodes[u]
         shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
-        left = producer_groups(u, o)
         consumer = problem.choices[v]
-        if (u, o) in sums:
+        if (u, o) in many:
+            left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
             right = _groups(offset[v], [s.inputs[i] for s in consumer])
             table = {
-                (a, b): count * prices.boxing(shape, dtype, a[0], b)[0]  # type: ignore[index]
-                for a in left
+                (f, b): count * prices.boxing(shape, dtype, f, b)[0]  # type: ignore[arg-type]
+                for f in left
                 for b in right
             }
             program.pair(left, right, table)
+            if (u, o) not in candidates:
+                continue
             grads = _groups(offset[v], [s.grads[i] for s in consumer])
             sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
             table = {
@@ -281,6 +308,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             }
             program.pair(grads, sums_right, table)
             continue
+        left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
         table = {
             (a, b): count * sum(edge_seconds(graph, prices, (u, o), a, b))  # type: ignore[arg-type]
@@ -326,9 +354,11 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     accumulate = {
         key: candidates[key][pick(sum_offset[key], len(candidates[key]))] for key in candidates
     }
+    distribute = {key: spread[key][pick(spread_offset[key], len(spread[key]))] for key in spread}
     return Solution(
         chosen=chosen,
         accumulate=accumulate,
+        distribute=distribute,
         seconds=float(c_time @ result.x),
         bytes_per_rank=float(c_memory @ result.x),
         num_variables=num_vars,
