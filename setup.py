@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["sbpflow*", "sbpflow_kernels*"]),
     package_data={"sbpflow": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "networkx>=3"],
+    install_requires=["torch>=2.11", "networkx>=3", "scipy>=1.9"],
     extras_require={
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn", "tqdm"],

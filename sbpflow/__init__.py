@@ -24,6 +24,9 @@ from ._factories import (
     zeros_like,
 )
 from ._visualize import visualize
+
+# the function; its types: from sbpflow.auto_parallel import Plan
+from .auto_parallel import auto_parallel
 from .checkpoint import export_safetensors, load, save
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global, to_global
@@ -34,6 +37,7 @@ __all__ = [
     "GlobalTensor",
     "Placement",
     "arange",
+    "auto_parallel",
     "boxing",
     "checkpoint",
     "empty",

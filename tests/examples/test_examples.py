@@ -36,6 +36,7 @@ RUNS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
         (4, (r"data x tensor parallel on .*", r"single process: .*", FINAL_LOSS, MATCHES)),
     ],
     "pipeline_two_stages.py": [(2, (FINAL_LOSS, MATCHES))],
+    "auto_parallel.py": [],  # needs scipy (so numpy): checked in test_auto_parallel_example.py
     "pipeline.py": [],  # run on 2 ranks and checked step by step in test_pipeline_example.py
     "sampler.py": [],  # its output is checked line by line in test_sampler_example_matches_torch
     "ddp_linear.py": [],  # its output is checked in test_ddp_linear_example_finds_the_solution

@@ -1,0 +1,285 @@
+"""``auto_parallel``: capture the step, list the strategies, solve, and write the plan down."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..boxing.cost import CostModel
+from ..boxing.plan import BoxingStep, _fmt_bytes
+from ..placement import Placement
+from ..sbp import NdSbp, normalize, sbp_str
+from ._capture import Graph, capture
+from ._costs import ComputeModel, Prices, local_bytes, optimizer_states
+from ._plan import Collective, Memory, OpChoice, ParamLayout, Plan
+from ._solve import Problem, Solution, node_bytes, output_seconds, solve
+from ._strategies import Strategy, strategies, unsupported
+
+__all__ = ["auto_parallel"]
+
+
+def auto_parallel(
+    model: torch.nn.Module,
+    placement: Placement,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    memory_budget: float | None = None,
+    fixed: Mapping[str | int, Any] | None = None,
+    optimizer: str | int | None = "adamw",
+    cost_model: CostModel | None = None,
+    compute_model: ComputeModel | None = None,
+) -> Plan:
+    """Choose every parameter's and input's layout on ``placement`` for one training step.
+
+    The forward of ``model(*example_inputs)`` is captured on meta tensors (no data, no
+    process group); every op's candidate strategies are priced (compute from FLOPs and
+    bytes, boxing forward and backward by the boxing planner's cost model) and the cheapest
+    whole-step choice is found by an integer linear program (HiGHS), with repeated blocks
+    sharing decisions. ``memory_budget`` (bytes per rank) bounds parameters, gradients,
+    ``optimizer`` state ("adamw"/"adam": 2 tensors per parameter, "sgd": 0,
+    "sgd_momentum": 1, or a number) and activations. ``fixed`` pins layouts:
+    ``{"fc1.weight": broadcast, 0: (split(0), broadcast)}`` (parameter names, or input
+    positions). Prices use the default constants unless ``cost_model`` / ``compute_model``
+    are given, so every rank and machine makes the same plan.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}.")
+    if not isinstance(placement, Placement):
+        raise TypeError(
+            f"placement must be a sbpflow.placement, got {type(placement).__name__}: "
+            f"{placement!r}; e.g. sbpflow.placement('cpu', [[0, 1], [2, 3]])."
+        )
+    inputs = _inputs(example_inputs)
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, (int, float))
+        or memory_budget <= 0
+    ):
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes per rank or None, got "
+            f"{memory_budget!r}; e.g. memory_budget=8 * 2**30."
+        )
+    states = optimizer_states(optimizer)
+    graph = capture(model, inputs)
+    prices = Prices(placement, cost_model, compute_model)
+    reps = [n.tie if n.tie >= 0 else n.index for n in graph.nodes]
+    pins = _pins(fixed, graph, placement, reps)
+    choices = {}
+    for rep in sorted(set(reps)):
+        node = graph.nodes[rep]
+        options = strategies(node, placement.shape)
+        if rep in pins:
+            options = [s for s in options if s.outputs[0] == pins[rep]]
+            if not options:
+                raise ValueError(
+                    f"fixed layout {sbp_str(pins[rep])} for {node.target} of shape "
+                    f"{list(node.out_shapes[0])} does not divide it evenly on a mesh of shape "
+                    f"{list(placement.shape)}; pin a layout whose split dims divide evenly."
+                )
+        choices[rep] = options
+    problem = Problem(graph, reps, choices, prices, states)
+    solution = solve(problem, memory_budget)
+    if solution is None:
+        smallest = solve(problem, None, objective="memory")
+        footprint = "unknown" if smallest is None else f"{smallest.bytes_per_rank:.0f} bytes"
+        shown = "" if smallest is None else f" ({_fmt_bytes(smallest.bytes_per_rank)})"
+        raise ValueError(
+            f"memory_budget={memory_budget:.0f} bytes per rank cannot be met: the smallest "
+            f"footprint found is {footprint}{shown} per rank (parameters, gradients, optimizer "
+            "state and activations). Raise the budget, use more ranks, or a smaller batch."
+        )
+    return _plan(problem, solution, memory_budget)
+
+
+def _inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and all(
+        isinstance(x, torch.Tensor) for x in example_inputs
+    ):
+        return tuple(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
+        f"arguments), got {type(example_inputs).__name__}: {example_inputs!r}."
+    )
+
+
+def _pins(
+    fixed: Mapping[str | int, Any] | None, graph: Graph, placement: Placement, reps: list[int]
+) -> dict[int, NdSbp]:
+    if fixed is None:
+        return {}
+    if not isinstance(fixed, Mapping):
+        raise TypeError(
+            f"fixed must be a dict of parameter names / input positions -> sbp, got "
+            f"{type(fixed).__name__}: {fixed!r}."
+        )
+    pins: dict[int, NdSbp] = {}
+    for key, value in fixed.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(graph.input_nodes):
+                raise ValueError(
+                    f"fixed names input {key}, but the model takes {len(graph.input_nodes)} inputs."
+                )
+            node = graph.input_nodes[key]
+        elif isinstance(key, str) and key.startswith("input") and key[5:].isdigit():
+            node = graph.input_nodes[int(key[5:])] if int(key[5:]) < len(graph.input_nodes) else -1
+            if node < 0:
+                raise ValueError(
+                    f"fixed names {key!r}, but the model takes {len(graph.input_nodes)} inputs."
+                )
+        elif isinstance(key, str) and key in graph.param_nodes:
+            node = graph.param_nodes[key]
+        else:
+            known = sorted(graph.param_nodes)[:6]
+            raise ValueError(
+                f"fixed names {key!r}, which is neither a parameter of the model nor an input "
+                f"position; expected a name such as {known} or an int input position."
+            )
+        layout = normalize(value, placement.ndim, len(graph.nodes[node].out_shapes[0]))
+        _untie(reps, node)  # a pinned tensor decides apart from its repeated block
+        pins[node] = layout
+    return pins
+
+
+def _untie(reps: list[int], node: int) -> None:
+    others = [n for n, rep in enumerate(reps) if rep == reps[node] and n != node]
+    if others and reps[node] == node:  # the others keep their shared decision
+        for n in others:
+            reps[n] = others[0]
+    reps[node] = node
+
+
+def _collectives(
+    steps: tuple[BoxingStep, ...], phase: str, shape: tuple[int, ...], tensor: str
+) -> list[Collective]:
+    return [
+        Collective(
+            phase, s.op, s.axes, s.bytes_per_rank, s.cost, shape, str(s.src), str(s.dst), tensor
+        )
+        for s in steps
+    ]
+
+
+def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
+    graph, prices = problem.graph, problem.prices
+    mesh = prices.mesh
+
+    def chosen(n: int) -> Strategy:
+        rep = problem.reps[n]
+        return problem.choices[rep][solution.chosen[rep]]
+
+    def name_of(n: int) -> str:
+        node = graph.nodes[n]
+        return node.target if node.kind != "op" else f"{node.module or '(root)'}:{node.target}"
+
+    ops = []
+    boxing_seconds = 0.0
+    activations = 0.0
+    for node in graph.nodes:
+        strategy = chosen(node.index)
+        if node.kind in ("input", "buffer"):
+            activations += node_bytes(node, strategy, prices, problem.optimizer_states)
+        if node.kind != "op":
+            continue
+        collectives: list[Collective] = []
+        for i, (u, o) in enumerate(node.inputs):
+            producer = graph.nodes[u]
+            out_layout = chosen(u).outputs[o]
+            shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
+            source = solution.distribute.get((problem.reps[u], o), out_layout)
+            steps = prices.boxing(shape, dtype, source, strategy.inputs[i])[1]
+            collectives += _collectives(steps, "forward", shape, name_of(u))
+            grad_layout = strategy.grads[i]
+            target = solution.accumulate.get((problem.reps[u], o))
+            if target is None:
+                if not (producer.requires_grad and dtype.is_floating_point):
+                    continue
+                target = chosen(u).out_grads[o]
+            steps = prices.boxing(shape, dtype, grad_layout, target)[1]
+            collectives += _collectives(steps, "backward", shape, name_of(u) + " gradient")
+        boxing_seconds += sum(c.seconds for c in collectives)
+        act = node_bytes(node, strategy, prices, problem.optimizer_states)
+        activations += act
+        ops.append(
+            OpChoice(
+                node.index,
+                node.target,
+                node.module,
+                strategy.inputs,
+                strategy.outputs,
+                prices.compute_seconds(node, strategy),
+                act,
+                tuple(collectives),
+                unsupported(node),
+            )
+        )
+    output_sbp = []
+    output_collectives: list[Collective] = []
+    for u, o in graph.outputs:
+        layout, needs = chosen(u).outputs[o], chosen(u).out_grads[o]
+        seconds, target = output_seconds(graph, prices, (u, o), layout, needs)
+        boxing_seconds += seconds
+        output_sbp.append(target)
+        shape, dtype = graph.nodes[u].out_shapes[o], graph.nodes[u].out_dtypes[o]
+        output_collectives += _collectives(
+            prices.boxing(shape, dtype, layout, target)[1], "forward", shape, "output"
+        )
+        if graph.nodes[u].requires_grad:
+            steps = prices.boxing(shape, dtype, target, needs)[1]
+            output_collectives += _collectives(steps, "backward", shape, "output gradient")
+    producer_collectives: list[Collective] = []
+    for node in graph.nodes:
+        for o, (shape, dtype) in enumerate(zip(node.out_shapes, node.out_dtypes, strict=True)):
+            spread = solution.distribute.get((problem.reps[node.index], o))
+            if spread is not None:
+                steps = prices.boxing(shape, dtype, chosen(node.index).outputs[o], spread)[1]
+                producer_collectives += _collectives(
+                    steps, "forward", shape, name_of(node.index) + " (for all its readers)"
+                )
+            summed = solution.accumulate.get((problem.reps[node.index], o))
+            if summed is not None:
+                target = chosen(node.index).out_grads[o]
+                steps = prices.boxing(shape, dtype, summed, target)[1]
+                producer_collectives += _collectives(
+                    steps, "backward", shape, name_of(node.index) + " summed gradient"
+                )
+    boxing_seconds += sum(c.seconds for c in producer_collectives)
+    params = []
+    param_bytes = grad_bytes = 0.0
+    counted = set()
+    for name, n in graph.param_nodes.items():
+        node = graph.nodes[n]
+        layout = chosen(n).outputs[0]
+        size = local_bytes(node.out_shapes[0], node.out_dtypes[0], layout, mesh)
+        params.append(ParamLayout(name, node.out_shapes[0], node.out_dtypes[0], layout, size))
+        if n not in counted:
+            counted.add(n)
+            param_bytes += size
+            grad_bytes += size if node.requires_grad else 0.0
+    memory = Memory(param_bytes, grad_bytes, grad_bytes * problem.optimizer_states, activations)
+    compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
+    # the plan's own account of its costs is the program's objective
+    assert abs(compute + boxing_seconds - solution.seconds) <= 1e-6 * max(solution.seconds, 1e-9), (
+        compute + boxing_seconds,
+        solution.seconds,
+    )
+    return Plan(
+        placement=prices.placement,
+        params=tuple(params),
+        input_sbp=tuple(chosen(n).outputs[0] for n in graph.input_nodes),
+        output_sbp=tuple(output_sbp),
+        ops=tuple(ops),
+        output_collectives=tuple(output_collectives),
+        producer_collectives=tuple(producer_collectives),
+        memory=memory,
+        compute_seconds=compute,
+        boxing_seconds=boxing_seconds,
+        memory_budget=budget,
+        num_variables=solution.num_variables,
+        num_constraints=solution.num_constraints,
+        num_tied=sum(1 for n in graph.nodes if n.tie >= 0),
+        solve_seconds=solution.solve_seconds,
+    )

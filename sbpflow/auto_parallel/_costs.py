@@ -1,0 +1,121 @@
+"""Prices: compute from FLOPs and bytes, boxing from the boxing planner, memory per rank. Pure.
+
+# NOTE [default prices]
+# Every rank and machine must plan the same, so nothing here is measured: boxing is priced by
+# the boxing planner with ``CostModel.default(backend)`` (not the job's calibrated model)
+# unless a cost model is passed explicitly, and compute by the roofline of ``ComputeModel``:
+# ``max(flops / flops_per_second, bytes / bytes_per_second)`` times the share of the op one
+# rank does. The backward of an op costs twice its forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..boxing import plan as boxing_plan
+from ..boxing.cost import CostModel, backend_for
+from ..boxing.plan import BoxingStep
+from ..placement import Placement
+from ..sbp import NdSbp, Split
+from ._capture import Node
+from ._strategies import Strategy, op_flops
+
+__all__ = ["ComputeModel", "Prices", "optimizer_states"]
+
+BACKWARD_FACTOR = 2.0  # a backward costs about twice its forward (two matmuls per matmul)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Roofline of one device: floating-point operations and memory bytes per second."""
+
+    flops_per_second: float
+    bytes_per_second: float
+
+    @staticmethod
+    def default(device_type: str) -> ComputeModel:
+        # Round numbers, not measurements: a few-core CPU (~100 GFLOP/s, ~20 GB/s) and a
+        # data-centre GPU (~400 TFLOP/s dense bf16/tf32, ~2 TB/s HBM).
+        if device_type == "cuda":
+            return ComputeModel(400e12, 2e12)
+        return ComputeModel(100e9, 20e9)
+
+
+_OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
+
+
+def optimizer_states(optimizer: object) -> int:
+    """Tensors of optimizer state per parameter, each the parameter's size and layout."""
+    if optimizer is not None and (
+        isinstance(optimizer, bool) or not isinstance(optimizer, (str, int))
+    ):
+        raise TypeError(
+            f"optimizer must be a name in {sorted(_OPTIMIZERS)}, a number of state tensors per "
+            f"parameter, or None; got {type(optimizer).__name__} {optimizer!r}."
+        )
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, int):
+        if optimizer < 0:
+            raise ValueError(f"optimizer states per parameter must be >= 0, got {optimizer}.")
+        return optimizer
+    if optimizer.lower() not in _OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; expected one of {sorted(_OPTIMIZERS)} or the "
+            "number of state tensors it keeps per parameter (adamw: 2, sgd with momentum: 1)."
+        )
+    return _OPTIMIZERS[optimizer.lower()]
+
+
+def local_bytes(
+    shape: Sequence[int], dtype: torch.dtype, layout: NdSbp, mesh: Sequence[int]
+) -> float:
+    """Bytes one rank holds of a tensor (even splits, NOTE [balanced split] aside)."""
+    shards = math.prod(n for s, n in zip(layout, mesh, strict=True) if isinstance(s, Split))
+    return math.prod(shape) * dtype.itemsize / shards
+
+
+class Prices:
+    """Prices of one planning problem, with the boxing plans cached by layout pair."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        cost_model: CostModel | None,
+        compute: ComputeModel | None,
+    ) -> None:
+        self.placement = placement
+        self.mesh = placement.shape
+        self.cost_model = cost_model or CostModel.default(backend_for(placement.type))
+        self.compute = compute or ComputeModel.default(placement.type)
+        self._boxing: dict[tuple[object, ...], tuple[float, tuple[BoxingStep, ...]]] = {}
+
+    def boxing(
+        self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
+    ) -> tuple[float, tuple[BoxingStep, ...]]:
+        """Seconds and steps of the cheapest boxing ``src -> dst`` (the boxing planner's)."""
+        if src == dst:
+            return 0.0, ()
+        key = (shape, dtype, src, dst)
+        found = self._boxing.get(key)
+        if found is None:
+            result = boxing_plan(
+                shape, dtype, (self.placement, src), (self.placement, dst), self.cost_model
+            )
+            found = (result.cost, result.steps)
+            self._boxing[key] = found
+        return found
+
+    def compute_seconds(self, node: Node, strategy: Strategy) -> float:
+        """Forward and (when the op needs gradients) backward compute of one rank."""
+        flops, num_bytes = op_flops(node)
+        if not flops and not num_bytes:
+            return 0.0
+        forward = strategy.fraction * max(
+            flops / self.compute.flops_per_second, num_bytes / self.compute.bytes_per_second
+        )
+        return forward * (1.0 + BACKWARD_FACTOR) if node.requires_grad else forward

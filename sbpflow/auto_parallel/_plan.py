@@ -1,0 +1,268 @@
+"""What a plan is: every parameter's, input's and op's layout, with its predicted costs.
+
+Pure data (frozen dataclasses): the same inputs give equal plans on every rank and machine.
+``Plan.apply`` is the only part that touches a model.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..boxing.plan import _fmt_bytes, _fmt_seconds
+from ..placement import Placement
+from ..sbp import NdSbp, broadcast, normalize, sbp_str
+
+__all__ = ["Collective", "Memory", "OpChoice", "ParamLayout", "Plan"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One boxing step the plan predicts: where, which collective, how many bytes, how long."""
+
+    phase: str  # "forward" or "backward"
+    op: str  # all_gather, all_reduce, reduce_scatter, all_to_all, slice, zero, ...
+    axes: tuple[int, ...]
+    bytes_per_rank: int
+    seconds: float
+    shape: tuple[int, ...]
+    src: str
+    dst: str
+    tensor: str  # what is boxed: "fc1.weight", "input0", or the producing op
+
+    @property
+    def is_collective(self) -> bool:
+        return self.op not in ("slice", "zero", "copy")
+
+    def __str__(self) -> str:
+        axes = ",".join(map(str, self.axes)) or "-"
+        return (
+            f"{self.phase:<8} {self.op:<14} axis {axes:<4} {self.src} -> {self.dst}  "
+            f"{self.tensor} {list(self.shape)}  {_fmt_bytes(self.bytes_per_rank)}/rank  "
+            f"~{_fmt_seconds(self.seconds)}"
+        )
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sbp: NdSbp
+    bytes_per_rank: float  # the parameter alone (its gradient and optimizer state are alike)
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """One op's strategy and the boxing of its inputs (forward) and their gradients."""
+
+    index: int
+    op: str
+    module: str
+    inputs: tuple[NdSbp, ...]
+    outputs: tuple[NdSbp, ...]
+    compute_seconds: float  # forward and backward, one rank
+    activation_bytes: float
+    collectives: tuple[Collective, ...]
+    fallback: bool  # no rule: computed broadcast on every rank
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted bytes per rank, all held at once (an upper bound on the peak)."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float  # every op output autograd may keep, inputs and buffers
+
+    @property
+    def peak(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout for every parameter and input of one training step, with its predictions."""
+
+    placement: Placement
+    params: tuple[ParamLayout, ...]
+    input_sbp: tuple[NdSbp, ...]
+    output_sbp: tuple[NdSbp, ...]
+    ops: tuple[OpChoice, ...]
+    output_collectives: tuple[Collective, ...]  # handing the outputs to the loss
+    # boxing done once at an output read by several ops, for all of them: the output to its
+    # shared layout (forward), the summed gradient to the producer's layout (backward)
+    producer_collectives: tuple[Collective, ...]
+    memory: Memory
+    compute_seconds: float
+    boxing_seconds: float
+    memory_budget: float | None
+    num_variables: int
+    num_constraints: int
+    num_tied: int  # nodes sharing a repeated block's decisions
+    solve_seconds: float = field(compare=False)
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted seconds of one training step (forward, backward, boxing)."""
+        return self.compute_seconds + self.boxing_seconds
+
+    @property
+    def param_sbp(self) -> dict[str, NdSbp]:
+        return {p.name: p.sbp for p in self.params}
+
+    @property
+    def fallback_ops(self) -> tuple[str, ...]:
+        """Ops with no rule, computed broadcast on every rank."""
+        return tuple(dict.fromkeys(op.op for op in self.ops if op.fallback))
+
+    def collectives(self) -> list[Collective]:
+        """Every boxing step of a step, forward and backward (local ones included)."""
+        found = [c for op in self.ops for c in op.collectives]
+        return found + list(self.output_collectives) + list(self.producer_collectives)
+
+    # -- applying -----------------------------------------------------------------
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Convert ``model``'s parameters in place to the planned layouts; returns ``model``.
+
+        Every rank must hold the full logical model (as after the same seed): it is converted
+        as broadcast, then each parameter is boxed to its layout; buffers stay broadcast.
+        This goes through ``Module.to_global``, so parameters are what it leaves: make the
+        optimizer after ``apply``.
+        """
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        planned = self.param_sbp
+        if sorted(names) != sorted(planned):
+            missing = sorted(set(planned) - set(names))[:5]
+            extra = sorted(set(names) - set(planned))[:5]
+            raise ValueError(
+                f"this plan is for a model with other parameters (missing from the model: "
+                f"{missing}, not in the plan: {extra}); apply it to the model it was made for."
+            )
+        whole = (broadcast,) * self.placement.ndim
+        model.to_global(self.placement, whole)  # type: ignore[operator]
+        model.to_global(self.placement, lambda name, _t: planned.get(name, whole))  # type: ignore[operator]
+        return model
+
+    # -- inspecting -----------------------------------------------------------------
+    def diff(
+        self, layout: Mapping[str, Any] | Callable[[str, torch.Tensor], Any]
+    ) -> list[tuple[str, NdSbp, NdSbp]]:
+        """Parameters whose planned layout differs from ``layout``: (name, planned, given).
+
+        ``layout`` is a dict name -> sbp (missing names read as broadcast) or a callable
+        ``(name, tensor) -> sbp`` as ``Module.to_global`` takes (it gets a meta tensor).
+        """
+        if not callable(layout) and not isinstance(layout, Mapping):
+            raise TypeError(
+                f"layout must be a dict name -> sbp or a callable (name, tensor) -> sbp, got "
+                f"{type(layout).__name__}: {layout!r}."
+            )
+        whole = (broadcast,) * self.placement.ndim
+        found = []
+        for p in self.params:
+            if callable(layout):
+                given = layout(p.name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            else:
+                given = layout.get(p.name, whole)
+            given = normalize(given, self.placement.ndim, len(p.shape))
+            if given != p.sbp:
+                found.append((p.name, p.sbp, given))
+        return found
+
+    def explain(self) -> str:
+        """Readable text: layouts per parameter and per layer, collectives, time and memory."""
+        m = self.memory
+        lines = [
+            f"Plan on {self.placement}: predicted step ~{_fmt_seconds(self.step_seconds)} "
+            f"(compute {_fmt_seconds(self.compute_seconds)}, boxing "
+            f"{_fmt_seconds(self.boxing_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
+            f"  memory: parameters {_fmt_bytes(m.parameters)}, gradients {_fmt_bytes(m.gradients)}, "
+            f"optimizer state {_fmt_bytes(m.optimizer_state)}, activations "
+            f"{_fmt_bytes(m.activations)}"
+            + (f"; budget {_fmt_bytes(self.memory_budget)}" if self.memory_budget else ""),
+            f"  search: {self.num_variables} variables, {self.num_constraints} constraints, "
+            f"{self.num_tied} ops tied to repeated blocks",
+            "inputs: " + ", ".join(f"input{i} {sbp_str(s)}" for i, s in enumerate(self.input_sbp)),
+            "outputs: " + ", ".join(sbp_str(s) for s in self.output_sbp),
+            "parameters:",
+        ]
+        width = max((len(p.name) for p in self.params), default=0)
+        for p in self.params:
+            lines.append(
+                f"  {p.name:<{width}}  {sbp_str(p.sbp):<12} {list(p.shape)}  "
+                f"{_fmt_bytes(p.bytes_per_rank)}/rank"
+            )
+        lines.append("layers:")
+        for module, ops in _by_module(self.ops):
+            compute = sum(op.compute_seconds for op in ops)
+            collectives = [c for op in ops for c in op.collectives if c.is_collective]
+            comm = sum(c.seconds for op in ops for c in op.collectives)
+            strategies = [
+                f"{op.op.removeprefix('aten.').split('.')[0]} "
+                + ",".join(sbp_str(s) for s in op.inputs)
+                + " -> "
+                + ",".join(sbp_str(s) for s in op.outputs)
+                for op in ops
+                if op.compute_seconds > 0
+            ]
+            lines.append(
+                f"  {module or '(root)'}: compute ~{_fmt_seconds(compute)}, boxing "
+                f"~{_fmt_seconds(comm)}"
+            )
+            for text in strategies[:8]:
+                lines.append(f"      {text}")
+            if len(strategies) > 8:
+                lines.append(f"      ... {len(strategies) - 8} more ops")
+            for c in collectives:
+                lines.append(f"      {c}")
+        for c in self.output_collectives:
+            if c.is_collective:
+                lines.append(f"  (outputs) {c}")
+        once = [c for c in self.producer_collectives if c.is_collective]
+        if once:
+            lines.append("outputs read by several ops (boxed once for all of them):")
+            lines += [f"      {c}" for c in once]
+        if self.fallback_ops:
+            lines.append(
+                "ops with no rule (computed broadcast on every rank): "
+                + ", ".join(self.fallback_ops)
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{html.escape(p.name)}</td><td>{html.escape(sbp_str(p.sbp))}</td>"
+            f"<td>{list(p.shape)}</td><td>{_fmt_bytes(p.bytes_per_rank)}</td></tr>"
+            for p in self.params
+        )
+        steps = "".join(
+            f"<tr><td>{html.escape(c.phase)}</td><td>{html.escape(c.op)}</td>"
+            f"<td>{html.escape(c.tensor)}</td><td>{html.escape(c.src)} &rarr; "
+            f"{html.escape(c.dst)}</td><td>{_fmt_bytes(c.bytes_per_rank)}</td>"
+            f"<td>{_fmt_seconds(c.seconds)}</td></tr>"
+            for c in self.collectives()
+            if c.is_collective
+        )
+        head = html.escape(self.explain().splitlines()[0])
+        return (
+            f"<div><b>{head}</b><table><tr><th>parameter</th><th>layout</th><th>shape</th>"
+            f"<th>bytes/rank</th></tr>{rows}</table><table><tr><th>phase</th><th>collective"
+            f"</th><th>tensor</th><th>layouts</th><th>bytes/rank</th><th>est.</th></tr>"
+            f"{steps}</table></div>"
+        )
+
+
+def _by_module(ops: tuple[OpChoice, ...]) -> list[tuple[str, list[OpChoice]]]:
+    groups: dict[str, list[OpChoice]] = {}
+    for op in ops:
+        groups.setdefault(op.module, []).append(op)
+    return list(groups.items())

@@ -1,0 +1,367 @@
+"""The whole-step search as an integer linear program, solved by HiGHS (``scipy.optimize.milp``).
+
+# NOTE [the program]
+# One binary x[n, s] per node n (a representative of its tied class) and strategy s, with
+# sum_s x[n, s] = 1. A producer-consumer edge costs boxing(producer's output layout ->
+# consumer's input layout) forward plus boxing(consumer's gradient layout -> the gradient
+# layout the producer needs) backward. Per edge, the producer's strategies are grouped by
+# the output layout they give (z[k] = sum of their x) and the consumer's by (input layout,
+# gradient layout) (w[m]); continuous y[k, m] >= 0 with sum_m y[k, m] = z[k] and
+# sum_k y[k, m] = w[m] is exactly z[k] * w[m] once z and w are one-hot, so the edge's cost
+# sum c[k, m] y[k, m] is linear. Edges whose two ends have one group each need no y.
+# Minimise compute + boxing seconds (each tied class counted once per member), subject to
+# the bytes per rank (parameters, gradients, optimizer state, activations) <= the budget.
+# A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
+# the solver runs with a zero relative gap, so it is exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from ..sbp import NdSbp, broadcast
+from ._capture import Graph, Node
+from ._costs import Prices, local_bytes
+from ._strategies import Strategy, grad_target, is_view
+
+__all__ = [
+    "Problem",
+    "Solution",
+    "edge_seconds",
+    "node_bytes",
+    "output_seconds",
+    "shared",
+    "solve",
+]
+
+_TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
+
+
+@dataclass
+class Problem:
+    graph: Graph
+    reps: list[int]  # node -> the node whose decision it shares
+    choices: dict[int, list[Strategy]]  # representative -> its candidate strategies
+    prices: Prices
+    optimizer_states: int
+
+
+@dataclass
+class Solution:
+    chosen: dict[int, int]  # representative -> index of its strategy
+    accumulate: dict[tuple[int, int], NdSbp]  # G per shared output (NOTE [shared outputs])
+    distribute: dict[tuple[int, int], NdSbp]  # F per shared output
+    seconds: float  # predicted step (the objective without tie breaks)
+    bytes_per_rank: float
+    num_variables: int
+    num_constraints: int
+    solve_seconds: float
+
+
+def node_bytes(node: Node, strategy: Strategy, prices: Prices, optimizer_states: int) -> float:
+    """Bytes per rank the node keeps through the step."""
+    mesh = prices.mesh
+    if node.kind == "param":
+        copies = 2 + optimizer_states if node.requires_grad else 1
+        return copies * local_bytes(
+            node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh
+        )
+    if node.kind in ("buffer", "input"):
+        return local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh)
+    if node.kind == "op" and node.requires_grad and not is_view(node):
+        return sum(
+            local_bytes(shape, dtype, layout, mesh)
+            for shape, dtype, layout in zip(
+                node.out_shapes, node.out_dtypes, strategy.outputs, strict=True
+            )
+        )
+    return 0.0
+
+
+def edge_seconds(
+    graph: Graph,
+    prices: Prices,
+    producer: tuple[int, int],
+    out: tuple[NdSbp, NdSbp],
+    consumer: tuple[NdSbp, NdSbp],
+) -> tuple[float, float]:
+    """(forward, backward) boxing seconds of one producer-consumer edge.
+
+    ``out`` is the producer's (output layout, layout it needs the gradient in), ``consumer``
+    the consumer's (input layout, layout its backward gives the gradient in).
+    """
+    node = graph.nodes[producer[0]]
+    shape, dtype = node.out_shapes[producer[1]], node.out_dtypes[producer[1]]
+    forward = prices.boxing(shape, dtype, out[0], consumer[0])[0]
+    backward = 0.0
+    if node.requires_grad and dtype.is_floating_point:
+        backward = prices.boxing(shape, dtype, consumer[1], out[1])[0]
+    return forward, backward
+
+
+def output_seconds(
+    graph: Graph, prices: Prices, output: tuple[int, int], layout: NdSbp, needs: NdSbp
+) -> tuple[float, NdSbp]:
+    """Seconds and layout of the cheapest way to hand an output to the loss: never partial.
+
+    The output is reduced where it is partial (``grad_target``), or made whole everywhere;
+    the loss's gradient comes back in that layout and is boxed to the one the output needs.
+    """
+    node = graph.nodes[output[0]]
+    shape, dtype = node.out_shapes[output[1]], node.out_dtypes[output[1]]
+    best: tuple[float, NdSbp] | None = None
+    for target in dict.fromkeys((grad_target(layout), (broadcast,) * len(layout))):
+        seconds = prices.boxing(shape, dtype, layout, target)[0]
+        if node.requires_grad:
+            seconds += prices.boxing(shape, dtype, target, needs)[0]
+        if best is None or seconds < best[0]:
+            best = (seconds, target)
+    assert best is not None
+    return best
+
+
+def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
+    """Outputs (of representatives) read by several ops.
+
+    NOTE [shared outputs]: with one consumer, an output is boxed straight to the layout its
+    consumer reads, and the gradient straight back. With several, the output is boxed once
+    to a distribution layout F (a variable of the program), then from F to each consumer's
+    layout: q, k and v reading one all_gathered input pay one all_gather. Backward, each
+    consumer's gradient is boxed to one accumulation layout G (another variable: partial
+    when they all come partial, so Megatron's column-parallel q, k and v share one
+    all_reduce), and the sum once from G to the layout the producer needs. F and G equal
+    to the producer's own layouts give back the one-consumer prices.
+    """
+    uses: Counter[tuple[int, int]] = Counter()
+    for node in graph.nodes:
+        for producer in node.inputs:
+            uses[producer] += 1
+    return {(u, o) for (u, o), n in uses.items() if n > 1 and reps[u] == u}
+
+
+def _needs_grad(graph: Graph, u: int, o: int) -> bool:
+    node = graph.nodes[u]
+    return node.requires_grad and node.out_dtypes[o].is_floating_point
+
+
+class _Program:
+    """Columns (binary choices and continuous pair variables) and equality rows."""
+
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.memory: list[float] = []
+        self.tie_break: list[float] = []
+        self.integer: list[int] = []
+        self.rows: list[tuple[list[int], list[float], float]] = []
+
+    def choice(self, costs: list[float], memory: list[float]) -> int:
+        """A one-hot choice among ``len(costs)`` options; returns its first column."""
+        first = len(self.cost)
+        self.cost += costs
+        self.memory += memory
+        self.tie_break += [_TIE_BREAK * s for s in range(len(costs))]
+        self.integer += [1] * len(costs)
+        cols = list(range(first, first + len(costs)))
+        self.rows.append((cols, [1.0] * len(cols), 1.0))
+        return first
+
+    def pair(
+        self,
+        left: dict[object, list[int]],
+        right: dict[object, list[int]],
+        table: dict[tuple[object, object], float],
+    ) -> None:
+        """Add ``table[a, b]`` when the left choice is in group a and the right in group b."""
+        if not any(table.values()):
+            return
+        if len(left) == 1 or len(right) == 1:
+            for (a, b), c in table.items():
+                for col in right[b] if len(left) == 1 else left[a]:
+                    self.cost[col] += c
+            return
+        index = {}
+        for key, c in table.items():
+            index[key] = len(self.cost)
+            self.cost.append(c)
+            self.memory.append(0.0)
+            self.tie_break.append(0.0)
+            self.integer.append(0)
+        for a, cols in left.items():
+            ys = [index[(a, b)] for b in right]
+            self.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0.0))
+        for b, cols in right.items():
+            ys = [index[(a, b)] for a in left]
+            self.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0.0))
+
+
+def _groups(first: int, keys: list[object]) -> dict[object, list[int]]:
+    groups: dict[object, list[int]] = {}
+    for s, key in enumerate(keys):
+        groups.setdefault(key, []).append(first + s)
+    return groups
+
+
+def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
+    """Solve the program; ``None`` when no plan fits ``budget``.
+
+    ``objective="memory"`` minimises the bytes per rank instead (the smallest footprint).
+    """
+    import numpy as np  # imported when planning: import sbpflow needs neither
+    from scipy import sparse
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    graph, prices, reps = problem.graph, problem.prices, problem.reps
+    counts = Counter(reps)
+    program = _Program()
+    offset: dict[int, int] = {}
+    for rep in sorted(problem.choices):
+        node = graph.nodes[rep]
+        options = problem.choices[rep]
+        costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
+        memory = [
+            counts[rep] * node_bytes(node, s, prices, problem.optimizer_states) for s in options
+        ]
+        for output in graph.outputs:
+            if reps[output[0]] == rep:
+                for k, s in enumerate(options):
+                    o = output[1]
+                    seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
+                    costs[k] += seconds
+        offset[rep] = program.choice(costs, memory)
+
+    def producer_groups(u: int, o: int) -> dict[object, list[int]]:
+        return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
+
+    # distribution and accumulation layouts (NOTE [shared outputs])
+    many = shared(graph, reps)
+    consumers: dict[tuple[int, int], list[tuple[int, int]]] = {key: [] for key in many}
+    for node in graph.nodes:
+        for i, (u, o) in enumerate(node.inputs):
+            if (reps[u], o) in consumers:
+                consumers[(reps[u], o)].append((reps[node.index], i))
+    spread: dict[tuple[int, int], list[NdSbp]] = {}  # F candidates
+    candidates: dict[tuple[int, int], list[NdSbp]] = {}  # G candidates
+    for u, o in sorted(many):
+        found = {s.outputs[o] for s in problem.choices[u]}
+        for v, i in consumers[(u, o)]:
+            found.update(s.inputs[i] for s in problem.choices[v])
+        spread[(u, o)] = sorted(found, key=str)
+        if _needs_grad(graph, u, o):
+            found = {s.out_grads[o] for s in problem.choices[u]}
+            for v, i in consumers[(u, o)]:
+                found.update(s.grads[i] for s in problem.choices[v])
+            candidates[(u, o)] = sorted(found, key=str)
+    spread_offset = {}
+    sum_offset = {}
+    for (u, o), layouts in spread.items():
+        node = graph.nodes[u]
+        shape, dtype = node.out_shapes[o], node.out_dtypes[o]
+        left = producer_groups(u, o)
+        spread_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+        right = _groups(spread_offset[(u, o)], list(layouts))
+        table = {
+            (a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0]  # type: ignore[index]
+            for a in left
+            for f in right
+        }
+        program.pair(left, right, table)
+        if (u, o) not in candidates:
+            continue
+        layouts = candidates[(u, o)]
+        sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+        right = _groups(sum_offset[(u, o)], list(layouts))
+        table = {
+            (a, g): counts[u] * prices.boxing(shape, dtype, g, a[1])[0]  # type: ignore[index]
+            for a in left
+            for g in right
+        }
+        program.pair(left, right, table)
+
+    # edges, merged per (producer class, output, consumer class, input)
+    merged: Counter[tuple[int, int, int, int]] = Counter()
+    for node in graph.nodes:
+        for i, (u, o) in enumerate(node.inputs):
+            merged[(reps[u], o, reps[node.index], i)] += 1
+    for (u, o, v, i), count in sorted(merged.items()):
+        producer = graph.nodes[u]
+        shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
+        consumer = problem.choices[v]
+        if (u, o) in many:
+            left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
+            right = _groups(offset[v], [s.inputs[i] for s in consumer])
+            table = {
+                (f, b): count * prices.boxing(shape, dtype, f, b)[0]  # type: ignore[arg-type]
+                for f in left
+                for b in right
+            }
+            program.pair(left, right, table)
+            if (u, o) not in candidates:
+                continue
+            grads = _groups(offset[v], [s.grads[i] for s in consumer])
+            sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
+            table = {
+                (g, a): count * prices.boxing(shape, dtype, g, a)[0]  # type: ignore[arg-type]
+                for g in grads
+                for a in sums_right
+            }
+            program.pair(grads, sums_right, table)
+            continue
+        left = producer_groups(u, o)
+        right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
+        table = {
+            (a, b): count * sum(edge_seconds(graph, prices, (u, o), a, b))  # type: ignore[arg-type]
+            for a in left
+            for b in right
+        }
+        program.pair(left, right, table)
+
+    num_vars = len(program.cost)
+    c_time = np.asarray(program.cost)
+    c_memory = np.asarray(program.memory)
+    c_ties = np.asarray(program.tie_break)
+    data, row_ids, col_ids, rhs = [], [], [], []
+    for r, (cols, coefs, value) in enumerate(program.rows):
+        row_ids += [r] * len(cols)
+        col_ids += cols
+        data += coefs
+        rhs.append(value)
+    matrix = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(program.rows), num_vars))
+    constraints = [LinearConstraint(matrix, rhs, rhs)]
+    if budget is not None and objective == "time":
+        constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
+    # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
+    c = (c_time + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
+    start = time.perf_counter()
+    result = milp(
+        c,
+        integrality=np.asarray(program.integer),
+        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
+        constraints=constraints,
+        options={"mip_rel_gap": 0.0, "presolve": True},
+    )
+    elapsed = time.perf_counter() - start
+    if result.x is None:
+        if result.status == 2:  # infeasible
+            return None
+        raise RuntimeError(f"the plan's integer program was not solved: {result.message}")
+
+    def pick(first: int, n: int) -> int:
+        return int(np.argmax(result.x[first : first + n]))
+
+    chosen = {rep: pick(offset[rep], len(problem.choices[rep])) for rep in problem.choices}
+    accumulate = {
+        key: candidates[key][pick(sum_offset[key], len(candidates[key]))] for key in candidates
+    }
+    distribute = {key: spread[key][pick(spread_offset[key], len(spread[key]))] for key in spread}
+    return Solution(
+        chosen=chosen,
+        accumulate=accumulate,
+        distribute=distribute,
+        seconds=float(c_time @ result.x),
+        bytes_per_rank=float(c_memory @ result.x),
+        num_variables=num_vars,
+        num_constraints=len(program.rows) + len(constraints) - 1,
+        solve_seconds=elapsed,
+    )

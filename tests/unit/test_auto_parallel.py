@@ -1,0 +1,319 @@
+"""sbpflow.auto_parallel in one process: plans made on meta tensors, no process group.
+
+The optima are checked against layouts written by hand, independently of the planner:
+Megatron's (column-parallel first linear, row-parallel second) where the batch is
+broadcast on the tensor axis, data parallelism (parameters broadcast, batch split) on a
+data mesh with no budget, sharded parameters under a budget below the replicated footprint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from sbpflow.auto_parallel import Plan
+from sbpflow.sbp import broadcast, split
+
+B = broadcast
+
+
+class MlpBlock(nn.Module):
+    """The residual MLP block of bench/tp."""
+
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, inner)
+        self.down = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, inner)
+        self.down = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(
+            heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True
+        )
+        return self.o(y.transpose(1, 2).reshape(b, s, h))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, dim: int, heads: int, inner: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def _megatron_mlp(name: str, t: torch.Tensor) -> Any:
+    """bench/tp's hand layout: ``up`` column-parallel, ``down`` row-parallel."""
+    if name.endswith(("up.weight", "up.bias")):
+        return split(0)
+    return split(1) if name.endswith("down.weight") else B
+
+
+def _megatron_block_2d(name: str, t: torch.Tensor) -> Any:
+    """Megatron on mesh axis 1 (q, k, v and up column-parallel; o and down row-parallel),
+    replicated on the data axis 0."""
+    if name.endswith(("q.weight", "k.weight", "v.weight", "up.weight", "up.bias")):
+        return (B, split(0))
+    if name.endswith(("o.weight", "down.weight")):
+        return (B, split(1))
+    return (B, B)
+
+
+def _hand(layout: Any, model: nn.Module, ndim: int) -> dict[str, tuple[Any, ...]]:
+    found = {}
+    for name, p in model.named_parameters():
+        value = layout(name, p)
+        found[name] = tuple(value) if isinstance(value, tuple) else (value,) * ndim
+    return found
+
+
+def _mlp_model(blocks: int = 4, dim: int = 256, inner: int = 1024) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[MlpBlock(dim, inner) for _ in range(blocks)])
+
+
+def test_megatron_mlp_blocks_on_two_ranks() -> None:
+    """bench/tp's 4 MLP blocks (256 -> 1024 -> 256, 512 rows) on 2 ranks, batch broadcast:
+    the plan is Megatron's hand layout, with its collectives: one all_reduce per block
+    forward and one backward, nothing else."""
+    model = _mlp_model()
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
+    assert plan.param_sbp == _hand(_megatron_mlp, model, 1)
+    assert plan.diff(_megatron_mlp) == []
+    assert plan.input_sbp == ((B,),)
+    ran = [(c.phase, c.op) for c in plan.collectives() if c.is_collective]
+    assert sorted(ran) == [("backward", "all_reduce")] * 4 + [("forward", "all_reduce")] * 4
+    assert plan.num_tied > 0  # blocks 1-3 share block 0's decisions
+
+
+def test_transformer_block_on_a_2x2_mesh_is_megatron_on_the_tensor_axis() -> None:
+    """One transformer block (hidden 1024, 16 heads, MLP 4096, batch 6 x 512) on a 2x2
+    mesh, the batch split on axis 0 and broadcast on axis 1: data parallel on axis 0 and
+    Megatron's column/row layout on axis 1, attention split by heads.
+
+    The attention's output projection may come out column-parallel instead of row-parallel:
+    under the alpha-beta model all_gathering its input and leaving its output split by
+    features costs exactly what reduce-scattering a row-parallel output does. So the test
+    asserts every other layout, and that the hand plan (every parameter pinned to Megatron's
+    layout) is predicted exactly as fast as the plan: Megatron's layout is an optimum."""
+    with torch.device("meta"):
+        model = TransformerBlock(1024, 16, 4096)
+        x = torch.empty(6, 512, 1024)
+    placement = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    plan = sbpflow.auto_parallel(model, placement, x, fixed={0: (split(0), B)})
+    hand = _hand(_megatron_block_2d, model, 2)
+    got = plan.param_sbp
+    assert {n: s for n, s in got.items() if n != "attn.o.weight"} == {
+        n: s for n, s in hand.items() if n != "attn.o.weight"
+    }
+    assert got["attn.o.weight"] in ((B, split(1)), (B, split(0)))
+    sdpa = [op for op in plan.ops if op.op == "sdpa"]
+    assert [op.inputs for op in sdpa] == [((split(0), split(1)),) * 3]  # (batch, heads)
+    pinned = sbpflow.auto_parallel(model, placement, x, fixed={0: (split(0), B), **hand})
+    assert pinned.param_sbp == hand
+    assert abs(pinned.step_seconds - plan.step_seconds) <= 1e-9 * plan.step_seconds
+
+
+def _wide_batch_mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(MlpBlock(64, 256), MlpBlock(64, 256))
+    return model, torch.randn(8192, 64)
+
+
+def test_no_budget_on_a_data_mesh_is_data_parallel() -> None:
+    """Nothing fixed, no budget, a batch far larger than the weights: every parameter
+    broadcast and the batch split on dim 0 (DDP)."""
+    model, x = _wide_batch_mlp()
+    plan = sbpflow.auto_parallel(model, sbpflow.placement("cpu", [0, 1]), x)
+    assert plan.param_sbp == {name: (B,) for name, _ in model.named_parameters()}
+    assert plan.input_sbp == ((split(0),),)
+    grads = [c for c in plan.collectives() if c.phase == "backward" and c.is_collective]
+    assert grads and {c.op for c in grads} == {"all_reduce"}
+
+
+def test_a_budget_below_the_replicated_footprint_shards_the_parameters() -> None:
+    """A budget under the DDP plan's footprint: the large weights are stored split
+    (gathered for use, their gradients reduce-scattered) and the plan fits the budget."""
+    model, x = _wide_batch_mlp()
+    placement = sbpflow.placement("cpu", [0, 1])
+    replicated = sbpflow.auto_parallel(model, placement, x)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = replicated.memory.peak - 1.5 * weights  # adamw: 4 copies; half of them gone
+    plan = sbpflow.auto_parallel(model, placement, x, memory_budget=budget)
+    assert plan.memory.peak <= budget
+    sharded = [n for n, s in plan.param_sbp.items() if s != (B,)]
+    assert {n for n in sharded if n.endswith(("up.weight", "down.weight"))} == {
+        "0.up.weight",
+        "0.down.weight",
+        "1.up.weight",
+        "1.down.weight",
+    }
+    ops = {c.op for c in plan.collectives() if c.is_collective}
+    assert {"all_gather", "reduce_scatter"} <= ops
+
+
+def test_same_inputs_give_the_same_plan() -> None:
+    model = _mlp_model(blocks=2, dim=64, inner=256)
+    placement = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    x = torch.randn(64, 64)
+    first = sbpflow.auto_parallel(model, placement, x)
+    second = sbpflow.auto_parallel(model, placement, x.clone())
+    assert first == second
+    assert first.explain() == second.explain()
+
+
+def test_an_unreachable_budget_names_the_smallest_footprint() -> None:
+    model, x = _wide_batch_mlp()
+    placement = sbpflow.placement("cpu", [0, 1])
+    with pytest.raises(ValueError, match=r"smallest footprint found is (\d+) bytes") as info:
+        sbpflow.auto_parallel(model, placement, x, memory_budget=1000)
+    smallest = float(info.value.args[0].split("smallest footprint found is ")[1].split()[0])
+    # the whole model's parameters, gradients and adamw state split over 2 ranks is a floor
+    floor = sum(p.numel() * 4 for p in model.parameters()) * 4 / 2
+    assert floor <= smallest
+    plan = sbpflow.auto_parallel(model, placement, x, memory_budget=smallest + 1)
+    assert plan.memory.peak <= smallest + 1
+
+
+def test_fixed_pins_a_parameter_and_the_plan_prices_it() -> None:
+    model = _mlp_model(blocks=2, dim=64, inner=256)
+    placement = sbpflow.placement("cpu", [0, 1])
+    x = torch.randn(64, 64)
+    plan = sbpflow.auto_parallel(model, placement, x, fixed={"1.up.weight": split(1), 0: B})
+    assert plan.param_sbp["1.up.weight"] == (split(1),)
+    assert plan.input_sbp == ((B,),)
+
+
+def test_bad_arguments_raise_with_the_fix() -> None:
+    model = _mlp_model(blocks=1, dim=8, inner=16)
+    placement = sbpflow.placement("cpu", [0, 1])
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="neither a parameter"):
+        sbpflow.auto_parallel(model, placement, x, fixed={"nope.weight": B})
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        sbpflow.auto_parallel(model, placement, x, optimizer="lion")
+    with pytest.raises(TypeError, match="placement must be"):
+        sbpflow.auto_parallel(model, [0, 1], x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        sbpflow.auto_parallel(model, placement, x, memory_budget=-1)
+
+
+def test_explain_and_diff_read_the_plan() -> None:
+    model = _mlp_model(blocks=2)
+    plan = sbpflow.auto_parallel(
+        model, sbpflow.placement("cpu", [0, 1]), torch.randn(512, 256), fixed={0: B}
+    )
+    assert isinstance(plan, Plan)
+    text = plan.explain()
+    for needle in ("0.up.weight", "S(0)", "all_reduce", "predicted step", "optimizer state"):
+        assert needle in text
+    replicated = plan.diff({})
+    assert sorted(name for name, _, _ in replicated) == [
+        "0.down.weight",
+        "0.up.bias",
+        "0.up.weight",
+        "1.down.weight",
+        "1.up.bias",
+        "1.up.weight",
+    ]
+    assert "<table>" in plan._repr_html_()
+
+
+def _torchtitan_llama(name: str, t: torch.Tensor) -> Any:
+    """torchtitan's Llama plan on the tensor axis: q, k, v, gate, up column-parallel; o and
+    down row-parallel; norms, embedding and head broadcast (their loss-parallel variants
+    aside)."""
+    module = name.split(".")[-2]
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return split(0)
+    return split(1) if module in ("o_proj", "down_proj") else B
+
+
+def test_hugging_face_llama_layers_share_one_decision_and_beat_the_hand_plan() -> None:
+    """HF Llama (hidden 256, MLP 1024, 4 layers, 8 heads over 4 key/value heads) on 2 ranks,
+    batch broadcast: every op has a rule, the 4 decoder layers get one layout, the MLP is
+    Megatron's, and the plan's predicted step is no slower than the best plan that keeps
+    torchtitan's hand layout of the parameters (the same search with them pinned)."""
+    transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(8, 128, dtype=torch.long)
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(model, placement, ids, fixed={0: B})
+    assert plan.fallback_ops == ()
+    assert "sdpa" in {op.op for op in plan.ops}
+    layouts = plan.param_sbp
+    for layer in range(1, 4):
+        for name, sbp in layouts.items():
+            if name.startswith("model.layers.0."):
+                assert layouts[name.replace(".0.", f".{layer}.", 1)] == sbp
+    for name in layouts:
+        if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+            assert layouts[name] == (_torchtitan_llama(name, torch.empty(0)),)
+    hand = {name: _torchtitan_llama(name, torch.empty(0)) for name in layouts}
+    pinned = sbpflow.auto_parallel(model, placement, ids, fixed={0: B, **hand})
+    assert pinned.diff(_torchtitan_llama) == []
+    assert plan.step_seconds <= pinned.step_seconds * (1 + 1e-9)
+
+
+def test_a_forward_that_reads_values_is_a_clear_error() -> None:
+    class ReadsData(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * 2 if x.sum() > 0 else self.fc(x)
+
+    with pytest.raises(ValueError, match="reads a tensor's value"):
+        sbpflow.auto_parallel(ReadsData(), sbpflow.placement("cpu", [0, 1]), torch.randn(2, 4))
