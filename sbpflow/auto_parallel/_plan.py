@@ -130,10 +130,10 @@ class Plan:
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert ``model``'s parameters in place to the planned layouts; returns ``model``.
 
-        Every rank must hold the full logical model (as after the same seed): it is converted
-        as broadcast, then each parameter is boxed to its layout; buffers stay broadcast.
-        This goes through ``Module.to_global``, so parameters are what it leaves: make the
-        optimizer after ``apply``.
+        Every rank must hold the full logical model (as after the same seed): each plain
+        parameter is read as the whole logical value and laid out as planned, buffers stay
+        broadcast. This goes through ``Module.to_global``, so each parameter stays the same
+        object: an optimizer made before ``apply`` keeps working.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
@@ -145,7 +145,6 @@ class Plan:
                 f"{missing}, not in the plan: {extra}); apply it to the model it was made for."
             )
         whole = (broadcast,) * self.placement.ndim
-        model.to_global(self.placement, whole)  # type: ignore[operator]
         model.to_global(self.placement, lambda name, _t: planned.get(name, whole))  # type: ignore[operator]
         return model
 

@@ -50,9 +50,9 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
     fixed = {0: broadcast} if case == "megatron" else None
     plan = sbpflow.auto_parallel(reference, placement, x, fixed=fixed, optimizer="sgd")
     model = copy.deepcopy(reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before apply: the same parameters
     assert plan.apply(model) is model
     gx = x.to_global(placement, broadcast).to_global(sbp=plan.input_sbp[0])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses, ran = [], []
     for _ in range(_STEPS):
