@@ -7,21 +7,19 @@
 # - ``torch.Tensor.to_global`` (a local tensor to a global one: ``sbpflow.tensor``)
 #   and ``torch.Tensor.is_global`` (False; ``GlobalTensor`` says True);
 # - ``torch.nn.Module.to_global`` (every parameter and buffer in place:
-#   ``sbpflow.nn.module``);
-# - ``torch.save`` pickles first and writes nothing if that fails (NOTE [torch.save of
-#   global tensors] in ``sbpflow._saving``).
-# ``GlobalTensor``'s own methods are in its class (NOTE [tensor layers] in _global).
+#   ``sbpflow.nn.module``).
+# ``GlobalTensor``'s own methods are in its class (NOTE [tensor layers] in _global),
+# its pickling among them: ``torch.save`` stays torch's own function (NOTE [torch.save
+# of global tensors] in ``sbpflow._saving``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._saving import pickling_first
 from .nn.module import module_to_global_method
 from .tensor import tensor_to_global
 
 torch.Tensor.to_global = tensor_to_global  # type: ignore[attr-defined]
 torch.Tensor.is_global = property(lambda self: False)  # type: ignore[attr-defined]
 torch.nn.Module.to_global = module_to_global_method  # type: ignore[attr-defined]
-torch.save = pickling_first(torch.save)
