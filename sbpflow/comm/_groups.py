@@ -37,7 +37,7 @@ from collections.abc import Hashable, Sequence
 import torch.distributed as dist
 
 from ._errors import CollectiveError, default_store, others_calls, user_site
-from ._world import ensure_initialized, on_teardown, timeout_delta, timeout_seconds
+from ._world import ensure_initialized, new_group, on_teardown, timeout_delta, timeout_seconds
 
 _groups: dict[tuple[str, tuple[int, ...], Hashable], dist.ProcessGroup | None] = {}
 _created = [0]  # groups this rank has asked to create in this world (NOTE [group agreement])
@@ -104,7 +104,7 @@ def _new_group(backend: str, ranks: Sequence[int], lane: Hashable) -> dist.Proce
     _agree(_describe(backend, ranks, lane), ranks)
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
-    return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
+    return new_group(ranks, backend)
 
 
 def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:

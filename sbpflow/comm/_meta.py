@@ -39,18 +39,14 @@ import torch.distributed as dist
 
 from ._compat import all_gather_single
 from ._errors import named
-from ._world import ensure_initialized, on_teardown, on_world_ready, timeout_delta
+from ._world import ensure_initialized, new_group, on_teardown, on_world_ready
 
 _control: dict[str, dist.ProcessGroup | None] = {}
 
 
 def _make_control_group() -> None:
     world = dist.get_world_size()
-    _control["cpu"] = (
-        None
-        if world == 1
-        else dist.new_group(list(range(world)), backend="gloo", timeout=timeout_delta())
-    )
+    _control["cpu"] = None if world == 1 else new_group(range(world), "gloo")
 
 
 on_world_ready(_make_control_group)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ._errors import named
 from ._meta import gather_objects
-from ._world import ensure_initialized, on_teardown, timeout_delta
+from ._world import ensure_initialized, new_group, on_teardown
 
 _storage: dict[str, dist.ProcessGroup] = {}
 
@@ -35,9 +35,7 @@ def storage_group() -> dist.ProcessGroup:
     if "cpu" not in _storage:
         ensure_initialized()
         world = dist.get_world_size()
-        _storage["cpu"] = dist.new_group(
-            list(range(world)), backend="gloo", timeout=timeout_delta()
-        )
+        _storage["cpu"] = new_group(range(world), "gloo")
     return _storage["cpu"]
 
 
