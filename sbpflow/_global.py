@@ -259,6 +259,9 @@ class GlobalTensor(torch.Tensor):
     def __copy__(self) -> GlobalTensor:
         return _saving.copy_global(self)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GlobalTensor:
+        return _saving.deepcopy_global(self, memo)
+
     # -- tracing (NOTE [compiled global tensors] in sbpflow/_compiling.py) -------------
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
         meta = self._meta
@@ -451,10 +454,10 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
 # cannot see), no weakref is taken (``torch.utils.swap_tensors``, which
 # ``module.to(...)`` uses on global parameters, refuses tensors with weakrefs),
 # and the leaf's ``__dict__`` is always the leaf's own: a swap moves it with the
-# tensor, and ``copy.deepcopy`` gives the copy a new one after its hooks were
-# registered. What the hooks keep in ``__dict__`` for their own bookkeeping
-# (handles, the hook dict) is ``_NotCopied``: a copy or an unpickled tensor has
-# hooks of its own, not these.
+# tensor, and ``copy.copy``/``copy.deepcopy`` give the copy a new one. What the
+# hooks keep in ``__dict__`` for their own bookkeeping (handles, the hook dict)
+# is ``_NotCopied``: a copy has hooks of its own, not these (NOTE [copies of
+# global tensors] in _saving).
 class _NotCopied:
     """A value in a tensor's ``__dict__`` that ``copy.deepcopy`` and pickling drop (to None)."""
 
@@ -569,8 +572,7 @@ def is_layout_hook(hook: object) -> bool:
 def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
     """Remove ``keep_grad_layout``'s hooks from ``leaf`` (a ``GradientSync`` that reduces its
     gradients drops them, so backward makes fewer Python calls per parameter, and calls
-    ``keep_grad_layout`` again when it stops). A deep copy's hooks have no handles here: they
-    stay, and do nothing for a leaf with a ``_grad_sync``."""
+    ``keep_grad_layout`` again when it stops). A copy has hooks and handles of its own."""
     hooks = leaf.__dict__.pop("_grad_hooks", None)
     if hooks is not None:
         for handle in hooks.value:

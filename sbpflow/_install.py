@@ -11,10 +11,10 @@
 # - ``GlobalTensor`` joins the tensor types torch.optim and ``clip_grad_norm_`` give
 #   their foreach implementations (the two ``_foreach_supported_types`` lists, which
 #   DTensor joins the same way; NOTE [foreach on the pieces] in ops/_foreach.py), so a
-#   CUDA optimizer on global parameters takes foreach by default, as on plain ones;
-# - ``torch.save`` pickles first and writes nothing if that fails (NOTE [torch.save of
-#   global tensors] in ``sbpflow._saving``).
-# ``GlobalTensor``'s own methods are in its class (NOTE [tensor layers] in _global).
+#   CUDA optimizer on global parameters takes foreach by default, as on plain ones.
+# ``GlobalTensor``'s own methods are in its class (NOTE [tensor layers] in _global),
+# its pickling among them: ``torch.save`` stays torch's own function (NOTE [torch.save
+# of global tensors] in ``sbpflow._saving``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
 
 from ._global import GlobalTensor
-from ._saving import pickling_first
 from .nn.module import module_to_global_method
 from .tensor import tensor_to_global
 
 torch.Tensor.to_global = tensor_to_global  # type: ignore[attr-defined]
 torch.Tensor.is_global = property(lambda self: False)  # type: ignore[attr-defined]
 torch.nn.Module.to_global = module_to_global_method  # type: ignore[attr-defined]
-torch.save = pickling_first(torch.save)
 for _supported in (_optim_foreach_types, _utils_foreach_types):
     if GlobalTensor not in _supported:
         _supported.append(GlobalTensor)

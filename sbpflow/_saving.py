@@ -18,19 +18,28 @@
 #   pieces. So pickling it raises, naming what does save it: ``sbpflow.save`` (every rank,
 #   sharded, loads into any layout), ``sbpflow.export_safetensors`` (whole tensors in one
 #   file) and ``x.to_local()`` (this rank's piece, said explicitly).
-# ``torch.save`` opens (and truncates) the file before it pickles, so an error raised while
-# pickling would leave a broken file where the user's previous checkpoint was. ``import
-# sbpflow`` therefore wraps ``torch.save``: it first pickles the object into nothing (storages
-# are referenced, not copied: the cost of pickling the Python objects once more) and calls
-# torch's save only if that succeeds. Any pickling error, sbpflow's or another unpicklable
-# object's, is raised before the file is touched.
+# This is the tensor's own pickling protocol (``__reduce_ex__``); ``torch.save`` stays
+# torch's function. It opens (and truncates) the file before it pickles, so a refusal
+# raised while pickling leaves at the path what torch's writer closes with: an archive
+# without ``data.pkl``, which ``torch.load`` refuses ("failed locating file data.pkl"),
+# never a piece that loads as the whole. The previous file at that path is gone, as with
+# any object ``torch.save`` cannot pickle. ``sbpflow.save`` writes beside the previous
+# checkpoint and swaps it in (NOTE [atomic checkpoints]); for ``torch.save``, writing to a
+# temporary name and ``os.replace`` keeps the previous file (docs/checkpoints.md).
+#
+# NOTE [copies of global tensors]
+# ``copy.copy`` and ``copy.deepcopy`` give global tensors (pickling, which ``copy`` would
+# otherwise use, writes plain values). As for a plain ``nn.Parameter``, the copy keeps the
+# attributes in its ``__dict__`` but not the gradient hooks: a leaf that requires grad gets
+# hooks of its own (``keep_grad_layout``). What belongs to the original alone is not
+# copied: the handles of its hooks (``_NotCopied`` values) and its place in the
+# data-parallel buckets that reduce its gradients (``_OWNED_ELSEWHERE``); a copy's
+# gradient is found by the gradient discovery as any new leaf's is.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +52,7 @@ from .sbp import Broadcast, Partial, sbp_str
 if TYPE_CHECKING:
     from ._global import GlobalTensor
 
-__all__ = ["copy_global", "pickling_first", "reduce_global"]
+__all__ = ["copy_global", "deepcopy_global", "reduce_global"]
 
 
 def _holds_whole_value(layout: Layout, rank: int) -> bool:
@@ -84,50 +93,48 @@ def _refusal(x: GlobalTensor, layout: Layout, rank: int) -> str:
     )
 
 
+# The original's bookkeeping in its data-parallel buckets (sbpflow.nn.parallel): the sync
+# that reduces its gradients, its no_sync() depth, a gradient seen partial in this backward.
+_OWNED_ELSEWHERE = frozenset({"_grad_sync", "_no_sync_depth", "_grad_arrived_partial"})
+_WRAPPED = frozenset({"_local", "_meta"})  # set by ``wrap``
+
+
+def _copied_state(self: GlobalTensor) -> dict[str, Any]:
+    """The ``__dict__`` entries a copy takes over (NOTE [copies of global tensors])."""
+    return {
+        k: v
+        for k, v in self.__dict__.items()
+        if k not in _WRAPPED and k not in _OWNED_ELSEWHERE and not isinstance(v, _global._NotCopied)
+    }
+
+
 def copy_global(self: GlobalTensor) -> GlobalTensor:
     """``copy.copy``: a new global tensor sharing the piece, as ``copy.copy`` of a plain tensor
-    shares its storage (pickling, which ``copy`` would use, writes plain values)."""
+    shares its storage, with gradient hooks of its own (NOTE [copies of global tensors])."""
     new = _global.wrap(self._local, self._meta, self.requires_grad)
-    extra = {k: v for k, v in self.__dict__.items() if k not in ("_grad_layout_hook",)}
-    new.__dict__.update(extra)
-    if new.requires_grad and new.is_leaf:
+    new.__dict__.update(_copied_state(self))
+    if new.requires_grad:
         _global.keep_grad_layout(new)
     return new
 
 
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-def _pickles_or_raises(obj: Any, pickle_module: Any, protocol: int) -> None:
-    """Pickle ``obj`` as ``torch.save`` does, into nothing; raise what that raises."""
-
-    class DryRun(pickle_module.Pickler):
-        def persistent_id(self, item: Any) -> Any:
-            if isinstance(item, torch.storage.TypedStorage) or torch.is_storage(item):
-                return "storage"  # torch.save writes storages beside the pickle
-            return None
-
-    DryRun(_Discard(), protocol=protocol).dump(obj)
-
-
-def pickling_first(torch_save: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch_save`` made to pickle first and write nothing if that fails (``import sbpflow``
-    puts it in place of ``torch.save``: NOTE [what import sbpflow adds to torch] in _install)."""
-    if getattr(torch_save, "__wrapped_by_sbpflow__", False):
-        return torch_save
-    signature = inspect.signature(torch_save)
-
-    @functools.wraps(torch_save)
-    def save(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        _pickles_or_raises(
-            arguments["obj"], arguments["pickle_module"], arguments["pickle_protocol"]
+def deepcopy_global(self: GlobalTensor, memo: dict[int, Any]) -> GlobalTensor:
+    """``copy.deepcopy``: a new global tensor with a copy of the piece and of its gradient,
+    with gradient hooks of its own (NOTE [copies of global tensors])."""
+    if id(self) in memo:
+        return memo[id(self)]
+    if not self.is_leaf:
+        raise RuntimeError(
+            "copy.deepcopy of a global tensor that is not a leaf of autograd (it has a "
+            f"grad_fn, {type(self.grad_fn).__name__}); as for plain tensors, only leaves can "
+            "be deep-copied: copy x.detach(), or the leaf it was computed from."
         )
-        return torch_save(*args, **kwargs)
-
-    save.__wrapped_by_sbpflow__ = True  # type: ignore[attr-defined]
-    return save
+    with torch.no_grad():
+        new = _global.wrap(copy.deepcopy(self._local, memo), self._meta, self.requires_grad)
+    memo[id(self)] = new
+    new.__dict__.update(copy.deepcopy(_copied_state(self), memo))
+    if self.grad is not None:
+        new.grad = copy.deepcopy(self.grad, memo)
+    if new.requires_grad:
+        _global.keep_grad_layout(new)
+    return new

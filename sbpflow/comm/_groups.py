@@ -37,7 +37,7 @@ from collections.abc import Hashable, Sequence
 import torch.distributed as dist
 
 from ._errors import CollectiveError, default_store, others_calls, user_site
-from ._world import ensure_initialized, on_teardown, timeout_delta, timeout_seconds
+from ._world import ensure_initialized, on_teardown, owned_group, timeout_delta, timeout_seconds
 
 _groups: dict[tuple[str, tuple[int, ...], Hashable], dist.ProcessGroup | None] = {}
 _created = [0]  # groups this rank has asked to create in this world (NOTE [group agreement])
@@ -111,7 +111,7 @@ def new_group(backend: str, ranks: Sequence[int], lane: Hashable = None) -> dist
     [group agreement]). ``lane`` names a group of its own for ranks that have one already
     (a transfer lane, the checks' control group, the checkpoints' storage group)."""
     _agree(_describe(backend, ranks, lane), ranks)
-    return dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
+    return owned_group(ranks, backend)
 
 
 def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:

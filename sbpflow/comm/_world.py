@@ -17,7 +17,8 @@ import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,7 @@ def _init_default_group() -> None:
     if rank is None or world_size is None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout_delta())
+        _owned.made_default()
         return
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise RuntimeError(
@@ -109,6 +111,7 @@ def _init_default_group() -> None:
         backend, store=_rendezvous(rank, world_size), rank=rank, world_size=world_size,
         timeout=timeout_delta(),
     )  # fmt: skip
+    _owned.made_default()
 
 
 def _rendezvous(rank: int, world_size: int) -> dist.Store:
@@ -190,40 +193,87 @@ def _run_world_ready() -> None:
 # while the interpreter still runs. A gloo group's threads stop only when the
 # group object is freed (``destroy_process_group`` unregisters it but does not
 # stop them), so:
-#   - The last exit handler (registered when ``sbpflow.comm`` is imported;
+#   - sbpflow tears down what it created, and only that: every group it makes
+#     goes through ``owned_group`` here, which remembers it, and the default group
+#     is its own only when ``ensure_initialized`` made it (NOTE [lazy world]).
+#     The last exit handler (registered when ``sbpflow.comm`` is imported;
 #     handlers run in reverse order, so after the user's own) destroys the
-#     default group and with it every subgroup, whoever created it (a user who
-#     never destroys the group ``init_process_group`` made, as torch's
-#     tutorials end, is the common case), then drops sbpflow's own references
-#     (``on_teardown`` callbacks), which frees sbpflow's groups and joins their
-#     threads.
+#     default group if sbpflow made it (and with it every subgroup), else each
+#     of sbpflow's groups the user has not destroyed, leaving the user's default
+#     group (and their own subgroups) to them; then it drops sbpflow's own
+#     references (``on_teardown`` callbacks), which frees sbpflow's groups and
+#     joins their threads.
 #   - comm holds every group handle: layers above it ask for a group each time
 #     they use one (a cached look-up), so nothing a script still holds at exit
 #     (a model whose gradient sync reduces on a group) keeps a group alive.
 #   - sbpflow's gloo collectives never run on the default group (comm/_groups.py
-#     makes a group of its own over the world): anything may keep the default
-#     group alive, the user's own references, or torch's
-#     ``torch.distributed.nn.functional``, whose functions bind the default
-#     group as a default argument when first imported. That module is imported
-#     here, before any group exists, so that a later import (``torch._dynamo``
-#     imports it lazily, e.g. for a meta kernel) does not keep the default
-#     group of an ordinary script alive.
+#     makes a group of its own over the world): a default group the user made
+#     and keeps past the exit handlers holds none of sbpflow's works, and
+#     anything may keep the default group alive, the user's own references, or
+#     torch's ``torch.distributed.nn.functional``, whose functions bind the
+#     default group as a default argument when first imported. That module is
+#     imported here, before any group exists, so that a later import
+#     (``torch._dynamo`` imports it lazily, e.g. for a meta kernel) does not
+#     keep the default group of an ordinary script alive.
 # This is gloo's mechanism (worker threads that free finished works); NCCL
-# collectives keep using the world group, destroyed at exit with the rest.
+# collectives keep using the world group, destroyed at exit with the rest when
+# sbpflow made it.
+
+
+class _Owned:
+    """The process groups sbpflow created in this process, weakly (NOTE [teardown])."""
+
+    def __init__(self) -> None:
+        self.default: weakref.ref[dist.ProcessGroup] | None = None
+        self.groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+    def made_default(self) -> None:
+        """Note that sbpflow has just made the default group."""
+        world = dist.group.WORLD
+        self.default = None if world is None else weakref.ref(world)
+
+    def default_is_ours(self) -> bool:
+        world = dist.group.WORLD
+        return self.default is not None and world is not None and self.default() is world
+
+    def destroy(self) -> None:
+        """Destroy the default group if sbpflow made it (and every subgroup with it), else
+        each of sbpflow's groups still registered, leaving the user's groups alone."""
+        if not is_initialized():
+            return
+        if self.default_is_ours():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            return
+        for group in list(self.groups):
+            with contextlib.suppress(Exception):  # destroyed already (by the user)
+                dist.destroy_process_group(group)
+
+
+_owned = _Owned()
+
+
+def owned_group(ranks: Sequence[int], backend: str) -> dist.ProcessGroup:
+    """A process group of sbpflow's own over ``ranks`` (every rank of the world must call
+    it), destroyed at exit (NOTE [teardown])."""
+    group = dist.new_group(list(ranks), backend=backend, timeout=timeout_delta())
+    if isinstance(group, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
+        _owned.groups.add(group)
+    return group
+
 
 _teardown: list[Callable[[], None]] = []
 
 
 def on_teardown(forget: Callable[[], None]) -> None:
-    """Run ``forget`` at interpreter exit, after the default group is destroyed."""
+    """Run ``forget`` at interpreter exit, after sbpflow's groups are destroyed."""
     _teardown.append(forget)
 
 
 def _teardown_at_exit() -> None:
-    """Destroy every process group and drop sbpflow's references to them (NOTE [teardown])."""
-    if is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    """Destroy the process groups sbpflow created and drop its references to them
+    (NOTE [teardown])."""
+    _owned.destroy()
     for forget in _teardown:
         forget()
 

@@ -5,8 +5,10 @@ through ``to_global`` (local -> S(0), then boxing S(0) -> B with the meta check)
 and an add, and afterwards every cache is at most its bound. The
 values are compared with plain single-process PyTorch computed in the same job.
 Filling every cache past its bound takes most of a minute on a 2-core machine, so that
-run is a soak (``python -m pytest -m soak``); the default suite runs a few shapes and
-checks that every cache keyed by shapes has a bound and stays under it.
+run is a soak (``python -m pytest -m soak``). The default suite runs 40 shapes with every
+``BoundedDict`` (and the planner's hot plans) cut to a bound of 8, so the shapes overflow
+them: each cache the loop fills ends exactly at its bound, having dropped its oldest
+entries, and the values stay right; every other cache keyed by shapes has a bound.
 """
 
 from __future__ import annotations
@@ -67,10 +69,44 @@ def _many_shapes(first: int, stop: int) -> list[int]:
     return wrong
 
 
+# The caches the loop of ``_many_shapes`` adds to with every new shape.
+FILLED = ("interned metas", "boxing meta checks", "dispatch decisions", "dispatch fast path")
+SMALL_BOUND = 8
+
+
+def _many_shapes_under_small_bounds(first: int, stop: int) -> tuple[list[int], dict]:
+    """``_many_shapes`` with every BoundedDict emptied and cut to ``SMALL_BOUND`` entries (and
+    the planner's hot plans to as many); the wrong shapes and each cache's (entries, bound).
+    The bounds are put back after."""
+    caches = _bounded.bounded_caches()
+    bounds = {name: cache.bound for name, cache in caches.items()}
+    hot_limit = planner._HOT_LIMIT
+    try:
+        for cache in caches.values():
+            cache.clear()
+            cache.bound = SMALL_BOUND
+        planner._hot.clear()
+        planner._HOT_LIMIT = SMALL_BOUND
+        wrong = _many_shapes(first, stop)
+        sizes = {name: (len(cache), cache.bound) for name, cache in caches.items()}
+        sizes["planner hot plans"] = (len(planner._hot), planner._HOT_LIMIT)
+    finally:
+        for name, cache in caches.items():
+            cache.bound = bounds[name]
+        planner._HOT_LIMIT = hot_limit
+    return wrong, sizes
+
+
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_every_cache_keyed_by_shapes_has_a_bound(dist_pool: DistributedPool) -> None:
-    """A few new shapes: right values, and each cache is listed with a bound it keeps."""
-    assert dist_pool.run(_many_shapes, 1, 40) == [[], []]
+    """40 new shapes through caches cut to 8 entries: right values, each filled cache full
+    at its bound (it dropped entries), none past it; every cache is listed with its bound."""
+    for wrong, sizes in dist_pool.run(_many_shapes_under_small_bounds, 1, 41):
+        assert wrong == []
+        for name, (size, bound) in sizes.items():
+            assert bound == SMALL_BOUND and size <= bound, f"{name}: {size} entries, bound {bound}"
+        for name in FILLED:
+            assert sizes[name][0] == SMALL_BOUND, (name, sizes[name])
     for sizes in dist_pool.run(cache_sizes):
         for name, (size, bound) in sizes.items():
             assert bound is not None and size <= bound, f"{name}: {size} entries, bound {bound}"
@@ -88,6 +124,5 @@ def test_caches_stay_bounded_under_changing_shapes(dist_pool: DistributedPool) -
         for name, (size, bound) in sizes.items():
             assert size <= bound, f"{name}: {size} entries, bound {bound}"
         # Each of these saw more new keys than its bound: it was full and dropped entries.
-        full = ("interned metas", "boxing meta checks", "dispatch decisions", "dispatch fast path")
-        for name in full:
+        for name in FILLED:
             assert sizes[name][0] == sizes[name][1], (name, sizes[name])

@@ -103,8 +103,20 @@ def test_call_key_tells_apart_what_a_decision_depends_on() -> None:
     assert call_key(cat, ([x, y], 0), {}, False) != call_key(cat, ([y, x], 0), {}, False)
 
 
-def test_the_fallback_decision_broadcasts_every_input() -> None:
-    decision = Decision.broadcast_everything(PLACEMENT, 3)
-    assert decision.fallback == Layout(PLACEMENT, (B,))
-    assert decision.input_layouts == (Layout(PLACEMENT, (B,)),) * 3
+@pytest.mark.parametrize(
+    "placement",
+    [PLACEMENT, sbpflow.placement("cpu", [[0, 1], [2, 3]]), sbpflow.placement("cpu", [[0], [1]])],
+    ids=["2 ranks", "2x2", "2x1"],
+)
+def test_the_fallback_decision_broadcasts_every_input(placement: sbpflow.placement) -> None:
+    """Every input, and the outputs, laid out so that each rank of the placement holds the
+    whole tensor (its box is the whole shape) and no rank a partial part."""
+    shape = (7, 5)
+    whole = ((0, 7), (0, 5))
+    decision = Decision.broadcast_everything(placement, 3)
+    assert decision.fallback is not None and len(decision.input_layouts) == 3
+    for layout in (*decision.input_layouts, decision.fallback):
+        assert layout.placement == placement
+        assert not any(isinstance(s, Partial) for s in layout.sbp), layout
+        assert all(layout.box(shape, rank) == whole for rank in placement.flat_ranks), layout
     assert not decision.gradients

@@ -1,4 +1,5 @@
-"""Process groups are created in one place: ``comm._groups.new_group``, after the ranks agree.
+"""Process groups are created in one place: ``comm._world.owned_group`` (which remembers each
+for teardown), called by ``comm._groups.new_group`` after the ranks agree.
 
 Walks every module of the package (its syntax tree, not its text) for calls of
 ``new_group`` / ``init_device_mesh`` / ``DeviceMesh`` in any spelling. Checked against a
@@ -57,8 +58,8 @@ def _sites() -> dict[str, list[tuple[str, int]]]:
 
 def test_torch_new_group_is_called_from_one_function_in_comm():
     sites = _sites()
-    assert list(sites) == ["comm/_groups.py"], sites
-    assert [function for function, _ in sites["comm/_groups.py"]] == ["new_group"], sites
+    assert list(sites) == ["comm/_world.py"], sites
+    assert [function for function, _ in sites["comm/_world.py"]] == ["owned_group"], sites
 
 
 def test_the_walk_finds_a_planted_call():

@@ -1,11 +1,15 @@
 """The planner finds the cheapest plan, merges mesh axes, and matches published step counts.
 
-Pure: no process group. The reference is an exhaustive search written here:
-every sequence of up to four steps (every set of mesh axes times every target
-value, priced by the planner's own step function ``_steps.collective_edge``),
-enumerated layer by layer. The planner's Dijkstra must reach the same minimum.
-Like the planner, it enters a partial layout (a local "zero" step) only on
-axes the destination keeps partial (NOTE [no partial detours] in planner.py).
+Pure: no process group. The reference is an exhaustive search written here, with its own
+steps and prices: every sequence of up to four steps, each step setting a set of mesh axes
+that hold the same value to another value by the collective of NOTE [one-axis transitions]
+in planner.py, priced by the alpha-beta formulas of cost.py computed here (latency rounds
+``ceil(log2 p)``, bytes of the group's block, whose size comes from balanced splits cut
+here), enumerated layer by layer. The planner's Dijkstra must reach the same minimum, and
+each step of its plan must be one of the reference's, at the reference's price. Like the
+planner, it enters a partial layout (a local "zero" step) only on axes the destination
+keeps partial (NOTE [no partial detours] in planner.py). It plans with two cost models:
+one link for every collective, and one where all_to_all is slow.
 """
 
 from __future__ import annotations
@@ -19,20 +23,32 @@ import torch
 
 import sbpflow
 from sbpflow._layout import Layout
-from sbpflow.boxing import _steps, cost, planner
+from sbpflow.boxing import cost, planner
 from sbpflow.sbp import Broadcast, Partial, Split
 
 S0, S1, S2, B, P = Split(0), Split(1), Split(2), Broadcast(), Partial("sum")
 MAX_STEPS = 4
+ITEMSIZE = 4  # float32
 MESH_2X2 = sbpflow.placement("cpu", [[0, 1], [2, 3]])
 MESH_2X4 = sbpflow.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]])
 MESH_2X2X2 = sbpflow.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
-MODEL = cost.CostModel.default("gloo")
+LINK = (60e-6, 1.5e9)  # alpha (seconds per message), beta (bytes per second)
+SLOW_ALL_TO_ALL = (200e-6, 0.2e9)
+MODEL = cost.CostModel(cost.LinkCost(*LINK))
+MODELS = {
+    "one link": (MODEL, {}),
+    "slow all_to_all": (
+        cost.CostModel(cost.LinkCost(*LINK), (("all_to_all", cost.LinkCost(*SLOW_ALL_TO_ALL)),)),
+        {"all_to_all": SLOW_ALL_TO_ALL},
+    ),
+}
+STEP_OVERHEAD = 5e-6  # seconds per step, as cost.py documents
+LOCAL_BANDWIDTH = 10e9  # bytes per second of a local copy or zero fill, as cost.py documents
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _fixed_cost_model():
-    """Plan with the default constants, whatever a calibration on this machine stored."""
+    """Plan with these constants, whatever a calibration on this machine stored."""
     cost.set_model("gloo", MODEL)
     planner.clear_cache()
     yield
@@ -40,30 +56,85 @@ def _fixed_cost_model():
     planner.clear_cache()
 
 
+def _seconds(link: tuple[float, float], messages: int, num_bytes: float) -> float:
+    alpha, beta = link
+    return STEP_OVERHEAD + messages * alpha + num_bytes / beta
+
+
 class Exhaustive:
     """Best cost over all step sequences of at most ``MAX_STEPS`` steps on one placement."""
 
-    def __init__(self, shape: tuple[int, ...], placement: sbpflow.placement) -> None:
-        self.shape, self.placement = shape, placement
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        placement: sbpflow.placement,
+        links: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
+        self.shape, self.mesh = shape, tuple(placement.shape)
+        self.links = links or {}
         self.values = [B, P] + [Split(d) for d in range(len(shape))]
-        moving = [a for a, n in enumerate(placement.shape) if n > 1]
+        moving = [a for a, n in enumerate(self.mesh) if n > 1]
         self.axis_sets = [
             c for k in range(1, len(moving) + 1) for c in itertools.combinations(moving, k)
         ]
         self._edges: dict[tuple, list[tuple[tuple, float, str, tuple[int, ...]]]] = {}
 
+    def _block_bytes(self, sbp: tuple, axes: tuple[int, ...]) -> int:
+        """Bytes of the sub-tensor the group of rank 0 along ``axes`` covers: the other axes'
+        splits cut in mesh order, each keeping its first piece (a balanced split gives the
+        first pieces the extra rows, so this group's block is the largest)."""
+        sizes = list(self.shape)
+        for a, s in enumerate(sbp):
+            if a not in axes and isinstance(s, Split):
+                sizes[s.dim] = -(-sizes[s.dim] // self.mesh[a])
+        return math.prod(sizes) * ITEMSIZE
+
+    def _step(self, op: str, p: int, block: int) -> float:
+        """NOTE [one-axis transitions]'s collective over ``p`` ranks, in seconds."""
+        link = self.links.get(op, LINK)
+        rounds = (p - 1).bit_length()  # ceil(log2 p)
+        if op in ("all_gather", "reduce_scatter"):
+            return _seconds(link, rounds, (p - 1) / p * block)
+        if op == "all_reduce":
+            return _seconds(link, 2 * rounds, 2 * (p - 1) / p * block)
+        if op == "all_to_all":
+            return _seconds(link, rounds, (p - 1) / (p * p) * block)
+        if op == "slice":
+            return STEP_OVERHEAD
+        assert op == "zero", op
+        return STEP_OVERHEAD + block / LOCAL_BANDWIDTH
+
     def edges(self, sbp: tuple) -> list[tuple[tuple, float, str, tuple[int, ...]]]:
+        """Every step from ``sbp``: (new sbp, seconds, op, axes)."""
         if sbp not in self._edges:
-            found = []
-            for axes in self.axis_sets:
-                for value in self.values:
-                    edge = _steps.collective_edge(
-                        self.shape, 4, self.placement, sbp, axes, value, MODEL
-                    )
-                    if edge is not None:
-                        found.append((edge[4], edge[3], edge[0], axes))
-            self._edges[sbp] = found
+            self._edges[sbp] = [
+                edge for axes in self.axis_sets for edge in self._edges_on(sbp, axes)
+            ]
         return self._edges[sbp]
+
+    def _edges_on(self, sbp: tuple, axes: tuple[int, ...]):
+        current = sbp[axes[0]]
+        if any(sbp[a] != current for a in axes):
+            return  # merged axes go from one value together
+        # A dim split by an axis after the group's first that is not in the group: the
+        # group's pieces of that dim interleave, so no step of the group may touch it.
+        cut_inside = {
+            s.dim
+            for b, s in enumerate(sbp)
+            if b > axes[0] and b not in axes and isinstance(s, Split)
+        }
+        if isinstance(current, Split) and current.dim in cut_inside:
+            return
+        p = math.prod(self.mesh[a] for a in axes)
+        block = self._block_bytes(sbp, axes)
+        for value in self.values:
+            if value == current or (isinstance(value, Split) and value.dim in cut_inside):
+                continue
+            op = _op(current, value)
+            if op is None:
+                continue
+            new = tuple(value if a in axes else s for a, s in enumerate(sbp))
+            yield new, self._step(op, p, block), op, axes
 
     def best(self, src: tuple, dst: tuple) -> tuple[float, int]:
         """``(cost, steps)`` of the cheapest sequence; ``(inf, -1)`` if none within the limit."""
@@ -86,37 +157,55 @@ class Exhaustive:
         return best, best_len
 
 
-def _check_optimal(search: Exhaustive, src: tuple, dst: tuple) -> None:
-    shape, pl = search.shape, search.placement
-    result = planner.plan(shape, torch.float32, (pl, src), (pl, dst))
-    src_n = Layout(pl, src).normalized().sbp
-    dst_n = Layout(pl, dst).normalized().sbp
-    expected, length = search.best(src_n, dst_n)
+def _op(current: object, value: object) -> str | None:
+    """The one-axis transition table (NOTE [one-axis transitions])."""
+    split_from, split_to = isinstance(current, Split), isinstance(value, Split)
+    if isinstance(value, Partial):
+        return None if isinstance(current, Partial) else "zero"
+    if split_from:
+        return "all_to_all" if split_to else "all_gather"
+    if isinstance(current, Partial):
+        return "reduce_scatter" if split_to else "all_reduce"
+    return "slice" if split_to else None
+
+
+def _check_optimal(
+    search: Exhaustive, pl: sbpflow.placement, src: tuple, dst: tuple, model: cost.CostModel
+) -> None:
+    shape = search.shape
+    result = planner.plan(shape, torch.float32, (pl, src), (pl, dst), cost_model=model)
+    expected, length = search.best(src, dst)
     assert length != -1, f"{src} -> {dst}: no sequence of <= {MAX_STEPS} steps"
     assert len(result.steps) <= MAX_STEPS
     assert math.isclose(result.cost, expected, rel_tol=1e-9, abs_tol=1e-12), (
         f"{src} -> {dst}: planner {result.cost * 1e6:.3f} us, exhaustive {expected * 1e6:.3f} us\n{result}"
     )
-    # Each step of the plan is one of the searched steps, priced the same.
-    state = src_n
+    # Each step of the plan is one of the searched steps, by the same op, priced the same.
+    state = src
     for step in result.steps:
-        assert step.src.sbp == state
-        options = {target: step_cost for target, step_cost, _, _ in search.edges(state)}
-        assert math.isclose(options[step.dst.sbp], step.cost), str(step)
+        assert step.src == Layout(pl, state), str(step)
+        options = {(target, op, axes): c for target, c, op, axes in search.edges(state)}
+        key = (step.dst.sbp, step.op, tuple(step.axes))
+        assert key in options, f"{step}: not a step of the reference"
+        assert math.isclose(options[key], step.cost, rel_tol=1e-9), str(step)
         state = step.dst.sbp
-    assert state == dst_n
+    assert state == dst
 
 
 VALUES_2D = [S0, S1, B, P]
 PAIRS_2D = list(itertools.product(itertools.product(VALUES_2D, repeat=2), repeat=2))
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("mesh", [MESH_2X2, MESH_2X4], ids=["2x2", "2x4"])
 @pytest.mark.parametrize("shape", [(8, 12), (7, 5)], ids=["even", "uneven"])
-def test_every_2d_pair_is_optimal(mesh: sbpflow.placement, shape: tuple[int, int]) -> None:
-    search = Exhaustive(shape, mesh)
+def test_every_2d_pair_is_optimal(
+    mesh: sbpflow.placement, shape: tuple[int, int], model: str
+) -> None:
+    planned_with, links = MODELS[model]
+    search = Exhaustive(shape, mesh, links)
     for src, dst in PAIRS_2D:
-        _check_optimal(search, src, dst)
+        _check_optimal(search, mesh, src, dst, planned_with)
 
 
 def _sample_3d(count: int, seed: int) -> list[tuple[tuple, tuple]]:
@@ -129,7 +218,7 @@ def _sample_3d(count: int, seed: int) -> list[tuple[tuple, tuple]]:
 def test_sampled_3d_pairs_are_optimal(shape: tuple[int, int, int]) -> None:
     search = Exhaustive(shape, MESH_2X2X2)
     for src, dst in _sample_3d(150, seed=len(shape) * 7 + shape[0]):
-        _check_optimal(search, src, dst)
+        _check_optimal(search, MESH_2X2X2, src, dst, MODEL)
 
 
 # -- merging ------------------------------------------------------------------------

@@ -100,5 +100,42 @@ def test_bad_arguments(args: tuple, error: type[Exception], match: str) -> None:
         sbpflow.visualize(*args)
 
 
-def test_exported() -> None:
-    assert "visualize" in sbpflow.__all__
+def _torch_piece(logical: torch.Tensor, mesh_shape: tuple[int, ...], sbps: tuple, coords: tuple):
+    """The piece at mesh ``coords``, cut with ``torch.tensor_split`` one mesh axis after the
+    other (each split axis cuts the piece the axes before it left)."""
+    piece = logical
+    for n, s, c in zip(mesh_shape, sbps, coords, strict=True):
+        if isinstance(s, sbp.Split):
+            piece = torch.tensor_split(piece, n, dim=s.dim)[c]
+    return piece
+
+
+@pytest.mark.parametrize(
+    "placement, sbps",
+    [
+        (P1, (sbp.split(0),)),
+        (P1, (sbp.split(1),)),
+        (P1, (sbp.broadcast,)),
+        (P2, (sbp.split(0), sbp.split(1))),
+        (P2, (sbp.split(1), sbp.split(0))),
+        (P2, (sbp.split(0), sbp.split(0))),
+        (P2, (sbp.split(1), sbp.split(1))),
+        (P2, (sbp.broadcast, sbp.split(0))),
+        (P2, (sbp.partial_sum, sbp.split(1))),
+    ],
+)
+@pytest.mark.parametrize("shape", [(13, 5), (6, 7), (3, 2), (0, 4)])
+def test_every_piece_is_what_torch_tensor_split_cuts(
+    placement: sbpflow.placement, sbps: tuple, shape: tuple[int, int]
+) -> None:
+    """Through the public name, for even, uneven and empty shapes and nested splits: each
+    rank's slices of the logical tensor are the piece ``torch.tensor_split`` gives."""
+    from sbpflow import visualize  # the name users import
+
+    logical = torch.arange(shape[0] * shape[1]).reshape(shape)
+    view = visualize(shape, placement, sbps)
+    assert tuple(p.rank for p in view.pieces) == placement.flat_ranks
+    for p in view.pieces:
+        expected = _torch_piece(logical, placement.shape, sbps, p.coords)
+        assert p.local_shape == tuple(expected.shape), (p, expected.shape)
+        assert torch.equal(logical[p.slices], expected), p
