@@ -19,7 +19,7 @@ import torch
 import sbpflow
 from sbpflow import _bounded, _decisions, _dispatch, _global, _printing
 from sbpflow.boxing import _redistribute, _transfer, executor, planner
-from sbpflow.ops import views
+from sbpflow.ops import _foreach, views
 from sbpflow.sbp import broadcast, split
 from sbpflow.testing import DistributedPool
 
@@ -35,6 +35,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         (_global.GlobalTensor._op_dispatcher.propagator.decisions, _decisions.DECISIONS_BOUND),
         (_global.GlobalTensor._op_dispatcher.fast, _dispatch.FAST_BOUND),
         (executor._routes, executor.ROUTES_BOUND),
+        (_foreach._plans, _foreach.PLANS_BOUND),
     ]
     sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
     # A BoundedDict added later must be listed here too, with its module's named bound.
