@@ -34,9 +34,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _devices, _dispatch, _printing, _saving, _step_context
+from . import _compiled_outputs, _devices, _dispatch, _printing, _saving, _step_context
 from ._bounded import BoundedDict
-from ._compiling import never_a_compiled_frame
+from ._compiling import never_a_compiled_frame, traced
 from ._layout import Layout, dual_sbp, empty_local_shape
 from .boxing import _redistribute
 from .comm._world import device_for, get_rank
@@ -177,6 +177,8 @@ class GlobalTensor(torch.Tensor):
     _local: torch.Tensor
     _meta: Meta  # (layout, shape, dtype) interned, for the dispatch fast path
     _op_dispatcher: ClassVar[_dispatch.OpDispatcher] = _dispatch.OpDispatcher()
+    # NOTE [outputs the backward does not reach] in sbpflow/_compiled_outputs.py
+    _compiled_runs: ClassVar[_compiled_outputs.CompiledRuns] = _compiled_outputs.CompiledRuns()
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -278,7 +280,10 @@ class GlobalTensor(torch.Tensor):
         strides = tuple(outer_stride) if outer_stride is not None else None
         if strides is not None and not all(type(s) is int for s in strides):
             strides = None
-        return wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
+        self = wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
+        if not traced(local):  # made by a compiled region at run time
+            GlobalTensor._compiled_runs.record(self)
+        return self
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches: metadata and this rank.
@@ -364,13 +369,28 @@ class GlobalTensor(torch.Tensor):
 
         The pipeline runtime runs ``build``'s forward on a micro-batch and the
         loss's backward later, when the schedule says (NOTE [pipeline step
-        context] in sbpflow/_step_context.py).
+        context] in sbpflow/_step_context.py). The outputs of compiled regions
+        that this backward runs but does not reach (a model's logits and cache
+        next to its loss) get zero gradients of the layout their compiled
+        backward expects (NOTE [outputs the backward does not reach] in
+        sbpflow/_compiled_outputs.py).
         """
         scope = _step_context.current.get()
         if scope is not None and scope.defer_backward(
             self, gradient, retain_graph, create_graph, inputs
         ):
             return
+        if GlobalTensor._compiled_runs:  # NOTE [outputs the backward does not reach]
+            edges, zeros = _compiled_outputs.unreached_outputs(self)
+            if edges:
+                torch.autograd.backward(
+                    [self, *edges],  # type: ignore[list-item]
+                    [gradient, *zeros],
+                    retain_graph,
+                    create_graph,
+                    inputs=inputs,
+                )
+                return
         super().backward(gradient, retain_graph, create_graph, inputs)
 
     def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:

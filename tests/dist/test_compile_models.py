@@ -1,0 +1,383 @@
+"""Whole Hugging Face models under ``torch.compile(model)``, written as users write it.
+
+GPT-2, Llama and BERT (tiny random configs built in code: 2 layers, width 64, 16
+tokens) keep the library's defaults: the KV cache on, the logits and the loss
+returned, an attention mask with padded rows. The model is converted to global
+tensors, compiled whole with Inductor, and trained 3 steps with
+``model(**batch).loss.backward()``: the backward reaches the loss only, so every
+other output (logits, cache) is one whose gradient nobody gives (NOTE [outputs the
+backward does not reach] in sbpflow/_compiled_outputs.py).
+
+Each job trains, on 2 ranks, against one plain process on the whole batch (the
+single-process reference, in the same job): losses and parameters must agree. It
+also compiles a plain copy with Dynamo alone (no Inductor: graph breaks are
+Dynamo's) and asserts the global model breaks its graph exactly as often, and that
+nothing compiles again after the second step.
+
+Layouts: data parallel (parameters broadcast, batch ``S(0)``) for the three families;
+Llama tensor parallel with the Megatron layout (q/k/v/gate/up ``S(0)``, o/down
+``S(1)``, the batch broadcast); Llama ``fully_shard`` (each decoder layer, then the
+root).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import sbpflow
+from sbpflow.nn.parallel import fully_shard
+from sbpflow.sbp import Broadcast, Split
+from sbpflow.testing import get_pool
+
+transformers = pytest.importorskip(
+    "transformers",
+    reason="needs Hugging Face transformers (pip install -e '.[test]' installs it)",
+)
+
+S0, S1, B = Split(0), Split(1), Broadcast()
+_STEPS = 3
+_TOL = 1e-5
+_VOCAB, _WIDTH, _SEQ, _BATCH = 64, 64, 16, 4
+_COMPILE_TIMEOUT_S = 600.0
+
+
+# -- models: tiny sizes, the library's defaults otherwise (dropout off to compare) -----------
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=_VOCAB,
+        n_positions=32,
+        n_embd=_WIDTH,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=_VOCAB - 1,
+        eos_token_id=_VOCAB - 1,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=_WIDTH,
+        intermediate_size=2 * _WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=_VOCAB,
+        hidden_size=_WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=2 * _WIDTH,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+_FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+
+# BERT's and GPT-2's attention key bias has a true gradient of 0 (softmax cancels it) and a
+# computed one of rounding noise; AdamW's first steps move by about lr * sign(grad), so they
+# train with SGD (as in test_transformers_models.py).
+_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "llama": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "bert": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "gpt2": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def _batch(family: str) -> dict[str, torch.Tensor]:
+    """The whole batch: ids, labels and an attention mask with padded rows on both ranks."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, _VOCAB, (_BATCH, _SEQ), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    mask[2, 6:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    if family == "bert":  # a masked LM is scored on some positions only
+        scored = torch.rand(_BATCH, _SEQ, generator=gen) < 0.3
+        scored[:, 0] = True
+        labels = labels.masked_fill(~scored, -100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+# -- counting compiles -------------------------------------------------------------------------
+
+
+class _Counting:
+    """A torch.compile backend that counts the graphs it is given (first compiles and
+    recompiles alike) and hands them to ``backend``."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs += 1
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _plain_compile_counts(
+    family: str, layout: str, batch: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Plain torch on the same model and batch (for ``fully_shard``: torch's own, applied
+    the same way), compiled whole by Dynamo alone: its graphs after each step and its
+    graph breaks."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _FAMILIES[family]().train()
+    if layout == "fully_shard":
+        mesh = init_device_mesh("cpu", (sbpflow.env.get_world_size(),))
+        for layer in model.model.layers:
+            torch_fully_shard(layer, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
+    counting = _Counting("eager")
+    compiled = torch.compile(model, backend=counting)
+    graphs = []
+    for _ in range(_STEPS):
+        compiled(**batch).loss.backward()
+        graphs.append(counting.graphs)
+    result = {"graphs": graphs, "graph_breaks": _graph_breaks()}
+    torch._dynamo.reset()
+    return result
+
+
+# -- one training run ----------------------------------------------------------------------------
+
+
+def _shard(t: torch.Tensor, placement: sbpflow.Placement) -> torch.Tensor:
+    """This rank's rows of the whole batch, given as its ``S(0)`` piece."""
+    index = placement.flat_ranks.index(sbpflow.env.get_rank())
+    return torch.tensor_split(t, placement.num_ranks)[index].contiguous().to_global(placement, S0)
+
+
+def _logical(t: torch.Tensor) -> torch.Tensor:
+    """The logical value of a global tensor, on every rank (a collective)."""
+    return t.to_global(sbp=(B,) * len(t.sbp), check_meta=False).to_local().detach()
+
+
+def _megatron(name: str, t: torch.Tensor) -> Any:
+    module = name.split(".")[-2]
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return S0
+    return S1 if module in ("o_proj", "down_proj") else B
+
+
+def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) -> nn.Module:
+    model = model.to_global(placement, B)
+    if layout == "tensor parallel":
+        model = model.to_global(placement, _megatron)
+    elif layout == "fully_shard":
+        for layer in model.model.layers:
+            fully_shard(layer, placement)
+        fully_shard(model, placement)
+    return model
+
+
+def train_job(family: str, layout: str, backend: str) -> dict[str, Any]:
+    """Worker: ``family`` laid out as ``layout`` on the whole world, compiled whole with
+    ``backend``, 3 steps against one plain process on the whole batch."""
+    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    batch = _batch(family)
+    plain = _plain_compile_counts(family, layout, batch)
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    reference = _FAMILIES[family]().train()
+    model = _make_global(layout, copy.deepcopy(reference), placement)
+    if layout == "tensor parallel":  # every rank takes the whole batch
+        g_batch = {n: t.to_global(placement, B) for n, t in batch.items()}
+    else:
+        g_batch = {n: _shard(t, placement) for n, t in batch.items()}
+    counting = _Counting(backend)
+    compiled = torch.compile(model, backend=counting)
+    opt_ref = _OPTIMIZERS[family](reference.parameters())
+    opt = _OPTIMIZERS[family](model.parameters())
+    losses, graphs = [], []
+    for _ in range(_STEPS):
+        want = reference(**batch).loss
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = compiled(**g_batch).loss
+        got.backward()
+        opt.step()
+        opt.zero_grad()
+        graphs.append(counting.graphs)
+        losses.append((got.item(), want.item()))
+    errors = {}
+    for (name, got_p), want_p in zip(model.named_parameters(), reference.parameters(), strict=True):
+        error = (_logical(got_p).double() - want_p.detach().double()).abs().max().item()
+        if error > _TOL:
+            errors[name] = error
+    result = {
+        "losses": losses,
+        "errors": errors,
+        "graphs": graphs,
+        "graph_breaks": _graph_breaks(),
+        "plain": plain,
+    }
+    torch._dynamo.reset()
+    return result
+
+
+# -- the mechanism on a small function ------------------------------------------------------
+
+
+def _outputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A loss and outputs beside it: a view of an intermediate, a partial matmul (a row-
+    parallel product on split weights) and an output the loss itself is made from."""
+    h = torch.tanh(x @ w1)
+    partial = h @ w2  # P when w1 is split(1) and w2 split(0)
+    scores = partial.relu()
+    return scores.pow(2).mean(), h.view(-1), partial, scores
+
+
+def unreached_outputs_job() -> dict[str, Any]:
+    """Gradients of a compiled function whose backward starts at some of its outputs, against
+    the same function run eagerly on global tensors and on plain ones (one process): the loss
+    alone; the loss and one more output; two forwards before their two backwards."""
+    torch._dynamo.reset()
+    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    gen = torch.Generator().manual_seed(3)
+    x, w1 = torch.randn(4, 6, generator=gen), torch.randn(6, 8, generator=gen)
+    w2 = torch.randn(8, 5, generator=gen)
+    compiled = torch.compile(_outputs, backend="aot_eager")
+
+    def run(fn: Any, plain: bool) -> list[torch.Tensor]:
+        """Weight gradients after: the loss alone; the loss plus the partial output's sum;
+        two forwards, then each one's loss backward."""
+        if plain:
+            args = [x, w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+        else:
+            args = [
+                x.to_global(placement, B).to_global(sbp=S0),
+                w1.to_global(placement, B).to_global(sbp=S1).requires_grad_(),
+                w2.to_global(placement, B).to_global(sbp=S0).requires_grad_(),
+            ]
+        grads = []
+        loss, *_ = fn(*args)
+        loss.backward()
+        grads += [args[1].grad, args[2].grad]
+        args[1].grad = args[2].grad = None
+        loss, _, partial, _ = fn(*args)
+        (loss + partial.sum()).backward()
+        grads += [args[1].grad, args[2].grad]
+        args[1].grad = args[2].grad = None
+        first, second = fn(*args)[0], fn(*args)[0]
+        first.backward()
+        second.backward()
+        return [*grads, args[1].grad, args[2].grad]
+
+    want = run(_outputs, plain=True)
+    eager = run(_outputs, plain=False)
+    got = run(compiled, plain=False)
+    torch._dynamo.reset()
+    return {
+        "layouts": [str(g.sbp) for g in got],
+        "errors": [
+            max(
+                (_logical(g) - w).abs().max().item(), (_logical(g) - _logical(e)).abs().max().item()
+            )
+            for g, e, w in zip(got, eager, want, strict=True)
+        ],
+    }
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def _run(family: str, layout: str, backend: str) -> list[dict[str, Any]]:
+    """``train_job`` on the 2-rank pool, given longer than a hang takes to be noticed:
+    Inductor compiles C++ for the forward and the backward."""
+    pool = get_pool(2)
+    timeout, pool.timeout = pool.timeout, max(pool.timeout, _COMPILE_TIMEOUT_S)
+    try:
+        return pool.run(train_job, family, layout, backend)
+    finally:
+        pool.timeout = timeout
+
+
+def _check(results: list[dict[str, Any]], where: str) -> None:
+    for rank, got in enumerate(results):
+        here = f"{where}, rank {rank}"
+        for step, (loss, want) in enumerate(got["losses"]):
+            assert loss == pytest.approx(want, abs=_TOL, rel=_TOL), (
+                f"{here}: step {step}, losses (compiled global, one process) {got['losses']}"
+            )
+        assert not got["errors"], f"{here}: parameters differ from one process: {got['errors']}"
+        plain = got["plain"]
+        assert got["graph_breaks"] == plain["graph_breaks"], (
+            f"{here}: {got['graph_breaks']} graph breaks, plain torch {plain['graph_breaks']}"
+        )
+        graphs = got["graphs"]
+        assert graphs[-1] == graphs[1], f"{here}: compiled again after step 2: {graphs}"
+        assert graphs == plain["graphs"], (
+            f"{here}: graphs compiled after each step {graphs}, plain torch {plain['graphs']}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_whole_model_compile_trains_data_parallel(family: str) -> None:
+    """``torch.compile(model)`` (Inductor) of a global model, parameters broadcast and batch
+    S(0), with its default outputs: 3 steps train as one process does, the graph breaks only
+    where plain torch's does, and nothing compiles after the second step."""
+    _check(_run(family, "data parallel", "inductor"), f"{family} data parallel")
+
+
+@pytest.mark.slow
+def test_whole_model_compile_trains_llama_tensor_parallel() -> None:
+    """The same for Llama with the Megatron layout on 2 ranks, the batch broadcast
+    (aot_eager: the layouts are AOTAutograd's business, Inductor compiles local ops)."""
+    _check(_run("llama", "tensor parallel", "aot_eager"), "llama tensor parallel")
+
+
+@pytest.mark.slow
+def test_whole_model_compile_trains_llama_fully_sharded() -> None:
+    """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks;
+    the graph breaks where torch's own ``fully_shard`` breaks it (before each sharded
+    module's forward, which gathers its parameters eagerly)."""
+    _check(_run("llama", "fully_shard", "aot_eager"), "llama fully_shard")
+
+
+def test_outputs_the_backward_does_not_reach() -> None:
+    """A compiled function returning a loss, a view of an intermediate and a partial output:
+    backward from the loss alone, from the loss and one more output, and from two forwards'
+    losses in turn give the gradients of the same function run eagerly and in one process,
+    laid out as the weights are."""
+    for rank, got in enumerate(get_pool(2).run(unreached_outputs_job)):
+        assert max(got["errors"]) < _TOL, f"rank {rank}: gradient errors {got['errors']}"
+        assert got["layouts"] == ["(S(1),)", "(S(0),)"] * 3, f"rank {rank}: {got['layouts']}"
