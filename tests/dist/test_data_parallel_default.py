@@ -30,6 +30,7 @@ from sbpflow._layout import Layout
 from sbpflow.nn.parallel import DistributedDataParallel, no_sync, sync_gradients
 from sbpflow.nn.parallel._default import _check_same_order
 from sbpflow.nn.parallel._params import GlobalParam
+from sbpflow.nn.parallel._reducer import GradientSync
 from sbpflow.sbp import Broadcast, Split, sbp_str
 from sbpflow.testing import get_pool
 from tests.dist.test_data_parallel import Net, _errors, _micro_batches, _recording_launches
@@ -617,7 +618,7 @@ def dropped_job() -> list[bool]:
         for _ in range(3):
             model.zero_grad()
             model(x).sum().backward()
-        sync = model[0].weight._grad_sync if kind == "global" else model._sync
+        sync = GradientSync.of(model[0].weight) if kind == "global" else model._sync
         alive = weakref.ref(sync)
         del model, module, x, sync
         gc.collect()

@@ -30,6 +30,7 @@ from torch import nn
 
 import sbpflow
 from sbpflow.nn.parallel._params import data_axes
+from sbpflow.nn.parallel._reducer import GradientSync
 from sbpflow.sbp import Broadcast, Split
 from sbpflow.testing import get_pool
 
@@ -183,7 +184,7 @@ def llama_job(mesh: list[Any], layers: int) -> dict[str, Any]:
     # The default gradient buckets (NOTE [data parallel by default]): one kind per set of
     # data axes (the parameter's broadcast axes), and how many buckets they made.
     result["data_axes_kinds"] = len({data_axes(p._layout) for p in params})
-    syncs = {id(s): s for p in params if (s := p.__dict__.get("_grad_sync")) is not None}
+    syncs = {id(s): s for p in params if (s := GradientSync.of(p)) is not None}
     result["num_buckets"] = sum(len(s.buckets) for s in syncs.values())
     return result
 

@@ -8,7 +8,7 @@
 #   1. Its first backward pass takes the per-parameter path: the leaf's own
 #      gradient hook (``keep_grad_layout`` in ``_global``) boxes the gradient
 #      to the parameter's layout (one synchronous all_reduce), exact as ever,
-#      and marks the parameter; after AccumulateGrad, ``Discovery.see`` notes it,
+#      and marks the parameter; after AccumulateGrad, ``Discovery.sees`` notes it,
 #      in the order the gradients became ready.
 #   2. At the end of that backward pass (``queue_callback``) the parameters
 #      noted join one ``GradientSync``, in that order: the order backward
@@ -41,13 +41,13 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, bind_gradient_discovery
+from ..._global import GlobalTensor, PartialGradients, bind_partial_gradients
 from ..._meta_check import stable_hash
 from ...comm import collectives
 from ...comm._mesh import MESHES
 from ...comm._world import get_rank
 from ...sbp import sbp_str
-from ._params import GlobalParam, data_axes
+from ._params import NO_SYNC, GlobalParam, data_axes
 from ._reducer import GradientSync
 
 __all__ = ["Discovery"]
@@ -55,19 +55,27 @@ __all__ = ["Discovery"]
 _SEEN = "_grad_backwards_seen"  # a bare leaf's __dict__: backward passes it was partial in
 
 
-class Discovery:
-    """The parameters noted in the running backward pass, joined into buckets at its end."""
+class Discovery(PartialGradients):
+    """The parameters noted in the running backward pass, joined into buckets at its end.
+
+    The layout hooks of a leaf (``keep_grad_layout``) show it here when its gradient arrives
+    partial on a data axis (NOTE [partial gradients of leaves] in ``_global``): it is left
+    partial inside a ``no_sync()`` block that holds it, and noted after AccumulateGrad.
+    """
 
     def __init__(self) -> None:
         self._noted: list[GlobalTensor] = []
         self._callback: Callable[[], Any] | None = None  # the end-of-backward one, weakly
 
-    def see(self, leaf: GlobalTensor) -> None:
+    def holds(self, leaf: GlobalTensor) -> bool:
+        return NO_SYNC.holds(leaf)
+
+    def sees(self, leaf: GlobalTensor) -> None:
         """After AccumulateGrad of a leaf whose gradient arrived partial on a data axis."""
-        attrs = leaf.__dict__
-        if attrs.get("_grad_sync") is not None or not data_axes(leaf._layout):
+        if GradientSync.of(leaf) is not None or not data_axes(leaf._layout):
             return
         if not isinstance(leaf, torch.nn.Parameter):
+            attrs = leaf.__dict__
             seen = attrs[_SEEN] = attrs.get(_SEEN, 0) + 1
             if seen < 2:
                 return
@@ -85,7 +93,7 @@ class Discovery:
         for leaf in noted:
             if (
                 id(leaf) in seen
-                or leaf.__dict__.get("_grad_sync") is not None
+                or GradientSync.of(leaf) is not None
                 or not leaf.requires_grad
                 or not data_axes(leaf._layout)
             ):
@@ -129,4 +137,4 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
 
 
 DISCOVERY = Discovery()
-bind_gradient_discovery(DISCOVERY.see)
+bind_partial_gradients(DISCOVERY)
