@@ -137,7 +137,7 @@ from ...sbp import Broadcast
 from ._buckets import assign_buckets
 from ._params import NO_SYNC, GlobalParam, LocalParam, ReducedParam
 
-__all__ = ["BucketState", "GradientSync", "check_bucket_cap", "paused"]
+__all__ = ["BucketState", "GradientSync", "accumulating", "check_bucket_cap", "paused"]
 
 # With ``bucket_cap_mb`` left at its default, buckets hold 25 MB and the first bucket of
 # each kind 1 MiB, so reduction starts early in backward; a cap given explicitly applies to
@@ -261,6 +261,12 @@ class GradientSync:
         owner = gradient_owner(param)
         return owner if isinstance(owner, GradientSync) else None
 
+    def reduce_accumulated(self) -> None:
+        """Reduce, in the buckets and at once, the gradients accumulated in ``.grad`` (at the
+        end of the backward pass whose gradients made the members, NOTE [data parallel by
+        default] in ``_default``); buckets inside ``no_sync()`` are left alone."""
+        self._finish()
+
     def _make_buckets(self) -> list[_Bucket]:
         """Buckets of the members, in order, for their current sizes (NOTE [bucket order])."""
         members, rank = self._members, self._rank
@@ -278,7 +284,7 @@ class GradientSync:
     # -- during backward -------------------------------------------------------------
     def _before(self, m: ReducedParam, grad: torch.Tensor) -> torch.Tensor | None:
         """Pre-hook, before AccumulateGrad adds ``grad`` to ``.grad``."""
-        if not _accumulating():
+        if not accumulating():
             return m.own_layout_grad(grad)
         if m.view is None:
             return None  # the parameter has no piece here
@@ -454,7 +460,7 @@ def check_bucket_cap(bucket_cap_mb: object) -> None:
         )
 
 
-def _accumulating() -> bool:
+def accumulating() -> bool:
     """Whether the running backward pass accumulates gradients into ``.grad`` without a graph
     of their own: not ``torch.autograd.grad`` and not ``create_graph=True``."""
     if torch.is_grad_enabled():
