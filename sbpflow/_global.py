@@ -46,15 +46,18 @@ from .sbp import Broadcast, NdSbp, SbpParallel
 __all__ = [
     "GlobalTensor",
     "Meta",
+    "PartialGradients",
     "as_global_grad",
-    "bind_gradient_discovery",
-    "drop_grad_layout_hook",
+    "bind_partial_gradients",
+    "gradient_owner",
+    "hand_over_gradients",
     "has_only_layout_hooks",
     "is_global",
     "is_layout_hook",
     "keep_grad_layout",
     "meta_of",
     "register_grad_hook",
+    "take_back_gradients",
     "wrap",
 ]
 
@@ -450,20 +453,35 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     ``.grad`` (for a broadcast parameter: the all_reduce of data parallelism),
     so ``optimizer.step()`` is purely local.
 
-    A gradient that arrives partial on an axis where the leaf is broadcast
-    (data parallelism) marks the leaf, and after AccumulateGrad the leaf is
-    shown to the gradient discovery that ``sbpflow.nn.parallel`` binds: from
-    then on a ``GradientSync`` reduces its gradients in buckets (NOTE [data
-    parallel by default] there). The sync removes these hooks while it reduces
-    (``drop_grad_layout_hook``) and marks the leaf ``_grad_sync``, so no gradient
-    is reduced twice. Inside ``no_sync()`` (``_no_sync_depth``) such a gradient
-    is left partial.
+    An object may take the leaf's gradients over (``hand_over_gradients``: a
+    ``GradientSync`` reducing them in buckets); the layout hooks are then removed
+    until it gives them back. A gradient that arrives partial on an axis where
+    the leaf is broadcast is shown to the handler of partial gradients, if one
+    is bound (NOTE [partial gradients of leaves]).
     """
-    if not isinstance(leaf, GlobalTensor) or leaf.__dict__.get("_grad_hooks") is not None:
+    if not isinstance(leaf, GlobalTensor) or leaf.__dict__.get(_HOOKS) is not None:
         return
     pre = register_grad_hook(leaf, _to_own_layout)
     post = leaf.register_post_accumulate_grad_hook(_after_accumulate)
-    leaf.__dict__["_grad_hooks"] = _NotCopied((pre, post))
+    leaf.__dict__[_HOOKS] = _NotCopied(_LayoutHooks((pre, post), None))
+
+
+_HOOKS = "_grad_hooks"  # a leaf's ``_LayoutHooks``, as ``_NotCopied``
+
+
+class _LayoutHooks:
+    """A leaf's layout hooks: their handles, or the object its gradients were handed over to."""
+
+    __slots__ = ("arrived_partial", "handles", "owner")
+
+    def __init__(self, handles: tuple[Any, ...], owner: object | None) -> None:
+        self.handles, self.owner = handles, owner
+        self.arrived_partial = False  # this backward pass, between the two hooks
+
+
+def _layout_hooks(leaf: torch.Tensor) -> _LayoutHooks | None:
+    held = leaf.__dict__.get(_HOOKS)
+    return None if held is None else held.value
 
 
 # NOTE [hooks that find their leaf]
@@ -475,9 +493,10 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
 # ``module.to(...)`` uses on global parameters, refuses tensors with weakrefs),
 # and the leaf's ``__dict__`` is always the leaf's own: a swap moves it with the
 # tensor, and ``copy.copy``/``copy.deepcopy`` give the copy a new one. What the
-# hooks keep in ``__dict__`` for their own bookkeeping (handles, the hook dict)
-# is ``_NotCopied``: a copy has hooks of its own, not these (NOTE [copies of
-# global tensors] in _saving).
+# hooks keep in ``__dict__`` for their own bookkeeping (handles, the hook dict,
+# the owner its gradients were handed over to) is ``_NotCopied``: a copy has
+# hooks of its own, not these, and no owner (NOTE [copies of global tensors] in
+# _saving).
 class _NotCopied:
     """A value in a tensor's ``__dict__`` that ``copy.deepcopy`` and pickling drop (to None)."""
 
@@ -502,16 +521,15 @@ def _to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
     leaf = getattr(torch._C._current_autograd_node(), "variable", None)
     if leaf is None:
         return None
-    attrs = leaf.__dict__
-    if attrs.get("_grad_sync") is not None:
-        return None  # reduced in buckets by its GradientSync
-    own: Layout = attrs["_meta"].layout
-    if not isinstance(grad, GlobalTensor) or grad._layout == own:
+    hooks = _layout_hooks(leaf)
+    own: Layout = leaf._meta.layout
+    if hooks is None or not isinstance(grad, GlobalTensor) or grad._layout == own:
         return None
     if _partial_on_a_data_axis(grad._layout, own):
-        attrs["_grad_arrived_partial"] = True
-        if attrs.get("_no_sync_depth"):
-            return None  # accumulated as it is, reduced after the no_sync() block
+        hooks.arrived_partial = True
+        handler = _partial_gradients
+        if handler is not None and handler.holds(leaf):
+            return None  # accumulated as it is, reduced later (NOTE [partial gradients of leaves])
     # The ranks agree by construction (the same backward on every rank): no meta check.
     return grad.to_global(own.placement, own.sbp, check_meta=False)
 
@@ -547,38 +565,86 @@ def _partial_on_a_data_axis(grad: Layout, own: Layout) -> bool:
     )
 
 
-# Bound by ``sbpflow.nn.parallel`` (NOTE [data parallel by default] there): shown each leaf
-# whose gradient arrived partial on a data axis, after AccumulateGrad.
-_gradient_discovery: Callable[[GlobalTensor], None] | None = None
+# NOTE [partial gradients of leaves]
+# A leaf's gradient that arrives partial on an axis where the leaf is broadcast
+# is the gradient of data parallelism. The layout hooks box it (one all_reduce
+# per leaf) unless the bound handler ``holds`` the leaf (a ``no_sync()`` block
+# of ``sbpflow.nn.parallel``): then it is accumulated partial, and the first
+# backward after the block boxes the sum. After AccumulateGrad the handler
+# ``sees`` the leaf (its gradient discovery, NOTE [data parallel by default]),
+# which may hand the leaf's gradients over to buckets of its own
+# (``hand_over_gradients``). The handler keeps its state on its own objects;
+# nothing of it is kept on the tensor.
+class PartialGradients:
+    """What the layout hooks ask about a leaf whose gradient arrived partial on a data axis."""
+
+    def holds(self, leaf: GlobalTensor) -> bool:
+        """Whether to leave its gradient partial in this backward pass."""
+        return False
+
+    def sees(self, leaf: GlobalTensor) -> None:
+        """After AccumulateGrad."""
 
 
-def bind_gradient_discovery(see: Callable[[GlobalTensor], None]) -> None:
-    """Show ``see`` every leaf whose gradient arrives partial on an axis where it is broadcast."""
-    global _gradient_discovery
-    _gradient_discovery = see
+_partial_gradients: PartialGradients | None = None
+
+
+def bind_partial_gradients(handler: PartialGradients) -> None:
+    """Show ``handler`` every leaf whose gradient arrives partial where it is broadcast."""
+    global _partial_gradients
+    _partial_gradients = handler
 
 
 def _after_accumulate(leaf: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of ``keep_grad_layout``: a marked leaf goes to discovery."""
-    attrs = leaf.__dict__
-    if not attrs.pop("_grad_arrived_partial", False):
+    """Post-accumulate-grad hook of ``keep_grad_layout``: a gradient that arrived partial."""
+    hooks = _layout_hooks(leaf)
+    if hooks is None or not hooks.arrived_partial:
         return
-    if not attrs.get("_no_sync_depth"):
+    hooks.arrived_partial = False
+    handler = _partial_gradients
+    if handler is None or not handler.holds(leaf):  # type: ignore[arg-type]
         # A gradient accumulated partial inside no_sync() is still partial: box the sum.
-        grad, own = leaf.grad, attrs["_meta"].layout
+        grad, own = leaf.grad, leaf._meta.layout  # type: ignore[attr-defined]
         if isinstance(grad, GlobalTensor) and grad._layout != own:
             leaf.grad = grad.to_global(own.placement, own.sbp, check_meta=False)
-    if _gradient_discovery is not None:
-        _gradient_discovery(leaf)  # type: ignore[arg-type]
+    if handler is not None:
+        handler.sees(leaf)  # type: ignore[arg-type]
+
+
+def hand_over_gradients(leaf: torch.Tensor, owner: object) -> None:
+    """From now on ``owner`` puts ``leaf``'s gradients in place: the layout hooks are removed
+    (backward makes fewer Python calls per parameter) until ``take_back_gradients``. A copy of
+    the leaf has hooks of its own and no owner."""
+    if not isinstance(leaf, GlobalTensor):
+        return
+    hooks = _layout_hooks(leaf)
+    if hooks is not None:
+        for handle in hooks.handles:
+            handle.remove()
+    leaf.__dict__[_HOOKS] = _NotCopied(_LayoutHooks((), owner))
+
+
+def take_back_gradients(leaf: torch.Tensor, owner: object) -> None:
+    """``owner`` stops putting ``leaf``'s gradients in place: its layout hooks come back."""
+    if not isinstance(leaf, GlobalTensor) or gradient_owner(leaf) is not owner:
+        return
+    del leaf.__dict__[_HOOKS]
+    keep_grad_layout(leaf)
+
+
+def gradient_owner(leaf: torch.Tensor) -> object | None:
+    """The object ``leaf``'s gradients were handed over to (``hand_over_gradients``), or None."""
+    hooks = _layout_hooks(leaf) if isinstance(leaf, GlobalTensor) else None
+    return None if hooks is None else hooks.owner
 
 
 def has_only_layout_hooks(leaf: GlobalTensor) -> bool:
-    """Whether ``leaf``'s gradient hooks are at most ``keep_grad_layout``'s and no
-    ``GradientSync`` reduces it: a gradient arriving in its own layout then only accumulates."""
+    """Whether ``leaf``'s gradient hooks are at most ``keep_grad_layout``'s and nothing took its
+    gradients over: a gradient arriving in its own layout then only accumulates."""
     pre = leaf._backward_hooks or {}
     post = leaf._post_accumulate_grad_hooks or {}
     return (
-        leaf.__dict__.get("_grad_sync") is None
+        gradient_owner(leaf) is None
         and all(hook is _to_own_layout for hook in pre.values())
         and all(hook is _after_accumulate for hook in post.values())
     )
@@ -587,16 +653,6 @@ def has_only_layout_hooks(leaf: GlobalTensor) -> bool:
 def is_layout_hook(hook: object) -> bool:
     """Whether ``hook`` is one of ``keep_grad_layout``'s (not a user's)."""
     return hook is _to_own_layout or hook is _after_accumulate
-
-
-def drop_grad_layout_hook(leaf: GlobalTensor) -> None:
-    """Remove ``keep_grad_layout``'s hooks from ``leaf`` (a ``GradientSync`` that reduces its
-    gradients drops them, so backward makes fewer Python calls per parameter, and calls
-    ``keep_grad_layout`` again when it stops). A copy has hooks and handles of its own."""
-    hooks = leaf.__dict__.pop("_grad_hooks", None)
-    if hooks is not None:
-        for handle in hooks.value:
-            handle.remove()
 
 
 def as_global_grad(grad: Any, where: str) -> GlobalTensor:

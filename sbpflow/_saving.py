@@ -32,8 +32,9 @@
 # otherwise use, writes plain values). As for a plain ``nn.Parameter``, the copy keeps the
 # attributes in its ``__dict__`` but not the gradient hooks: a leaf that requires grad gets
 # hooks of its own (``keep_grad_layout``). What belongs to the original alone is not
-# copied: the handles of its hooks (``_NotCopied`` values) and its place in the
-# data-parallel buckets that reduce its gradients (``_OWNED_ELSEWHERE``); a copy's
+# copied: the handles of its hooks and the object its gradients were handed over to
+# (the data-parallel buckets that reduce them), all ``_NotCopied`` values. The
+# buckets keep their state on their own objects, not on the tensor; a copy's
 # gradient is found by the gradient discovery as any new leaf's is.
 """
 
@@ -93,9 +94,6 @@ def _refusal(x: GlobalTensor, layout: Layout, rank: int) -> str:
     )
 
 
-# The original's bookkeeping in its data-parallel buckets (sbpflow.nn.parallel): the sync
-# that reduces its gradients, its no_sync() depth, a gradient seen partial in this backward.
-_OWNED_ELSEWHERE = frozenset({"_grad_sync", "_no_sync_depth", "_grad_arrived_partial"})
 _WRAPPED = frozenset({"_local", "_meta"})  # set by ``wrap``
 
 
@@ -104,7 +102,7 @@ def _copied_state(self: GlobalTensor) -> dict[str, Any]:
     return {
         k: v
         for k, v in self.__dict__.items()
-        if k not in _WRAPPED and k not in _OWNED_ELSEWHERE and not isinstance(v, _global._NotCopied)
+        if k not in _WRAPPED and not isinstance(v, _global._NotCopied)
     }
 
 

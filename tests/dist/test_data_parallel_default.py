@@ -30,6 +30,7 @@ from sbpflow._layout import Layout
 from sbpflow.nn.parallel import DistributedDataParallel, no_sync, sync_gradients
 from sbpflow.nn.parallel._default import _check_same_order
 from sbpflow.nn.parallel._params import GlobalParam
+from sbpflow.nn.parallel._reducer import GradientSync
 from sbpflow.sbp import Broadcast, Split, sbp_str
 from sbpflow.testing import get_pool
 from tests.dist.test_data_parallel import Net, _errors, _micro_batches, _recording_launches
@@ -76,7 +77,7 @@ def overlap_job() -> dict[str, Any]:
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
     (gx,) = _split_batch(placement, x)
     per_backward = []
-    for _ in range(2):  # the first backward discovers the parameters; the second overlaps
+    for _ in range(2):  # the first backward finds the parameters; the second overlaps
         model.zero_grad()
         events.clear()
         with _recording_launches(events):
@@ -91,13 +92,19 @@ def overlap_job() -> dict[str, Any]:
 
 
 def test_first_bucket_launches_before_backward_reaches_the_first_layer() -> None:
-    """No call, default buckets: from the second backward on, the bucket of the last layer
-    (the 1 MiB first bucket) is launched while backward has not yet computed the first
-    layer's gradients; the rest is one bucket launched at the end. Gradients equal one
-    process's."""
+    """No call, default buckets: the first backward reduces its gradients in the buckets
+    (launched at its end, once they are made); from the second backward on, the bucket of
+    the last layer (the 1 MiB first bucket) is launched while backward has not yet computed
+    the first layer's gradients; the rest is one bucket launched at the end. Gradients equal
+    one process's."""
     for got in get_pool(2).run(overlap_job):
         first, second = got["events"]
-        assert not [e for e in first if e.startswith("launch")], first  # per-parameter path
+        launched = [i for i, e in enumerate(first) if e.startswith("launch")]
+        computed = [i for i, e in enumerate(first) if e.startswith("grad")]
+        assert len(launched) == 2 and min(launched) > max(computed), first
+        assert [first[i] for i in launched] == [
+            e for e in second if e.startswith("launch")
+        ], (first, second)
         launches = [i for i, e in enumerate(second) if e.startswith("launch")]
         first_layer = [i for i, e in enumerate(second) if e.startswith("grad layers.0.")]
         assert len(launches) == 2 and first_layer, second
@@ -175,12 +182,11 @@ def test_default_buckets_match_single_process(kind: str) -> None:
     the sums equal), a layer used twice in one forward, and gradients read and clipped with
     clip_grad_norm_ between backward and step (they are reduced: this rank's piece of
     ``.grad`` is the whole gradient, and the norm is one process's) all equal one process;
-    after the first backward every backward launches one bucket."""
+    every backward, the first one included, launches one bucket."""
     for got in get_pool(2).run(accumulation_job, kind):
         assert not got["errors"], got
         per_backward = 4 if kind == "accumulate" else 1
-        assert got["launches"][1:] == [per_backward] * 4, got["launches"]
-        assert got["launches"][0] == per_backward - 1, got["launches"]  # discovery first
+        assert got["launches"] == [per_backward] * 5, got["launches"]
         assert got["grad_sbps"] == ["B"], got
         for norm, norm_ref in got["norms"]:
             assert abs(norm - norm_ref) < _TOL * max(1.0, norm_ref), got["norms"]
@@ -239,22 +245,19 @@ def mesh_job() -> dict[str, Any]:
 
 
 def test_dp_tp_on_2x2_mesh_reduces_over_the_data_axis_only() -> None:
-    """Parameters (B, S(k)), batch (S(0), B), nothing to call: after the first backward,
-    each backward launches one bucket, over this rank's data-axis group ([0, 2] or [1, 3])
+    """Parameters (B, S(k)), batch (S(0), B), nothing to call: each backward launches one
+    bucket, over this rank's data-axis group ([0, 2] or [1, 3])
     and never over the tensor-parallel axis; gradients keep the parameters' layouts and
     training equals one process."""
     for rank, got in enumerate(get_pool(4).run(mesh_job)):
         assert not got["errors"], got
         data_group = "[0, 2]" if rank in (0, 2) else "[1, 3]"
-        assert got["launches"][0] == [], got["launches"]  # discovery: per-parameter
         numel = (8 * 6 + 8) // 2 + 3 * 8 // 2 + 3  # this rank's pieces, then 3 flags
-        for events in got["launches"][1:]:
+        for events in got["launches"]:  # the first backward's too, at its end
             assert events == [f"launch {numel} over {data_group}"], got["launches"]
         # Every collective of a step: the tensor-parallel boxing (the same each step), and the
-        # gradients' reduction: 3 per-parameter all_reduces in the first step, then the bucket.
-        first, *later = got["traced"]
-        assert later == [later[0]] * len(later), got["traced"]
-        assert first == {**later[0], "all_reduce": later[0]["all_reduce"] + 2}, got["traced"]
+        # gradients' reduction: the bucket, the first step included.
+        assert got["traced"] == [got["traced"][0]] * len(got["traced"]), got["traced"]
         for grad_sbp, param_sbp in got["grad_sbps"].values():
             assert grad_sbp == param_sbp, got["grad_sbps"]
 
@@ -347,7 +350,7 @@ def test_gradients_that_are_not_one_plain_backward(case: str) -> None:
         assert max(got["grad_errors"]) < _TOL, got
         assert got["layouts"] == ["B"], got
         if case == "autograd.grad":
-            assert got["untouched"] and got["launches"] == [0] * 4, got  # step 0: discovery
+            assert got["untouched"] and got["launches"] == [1, 0, 0, 0], got  # step 0: backward
         elif case == "create_graph":
             assert all(got["history"]) and got["launches"] == [0] * 4, got
         elif case == "checkpoint":
@@ -473,7 +476,7 @@ def changes_job() -> dict[str, Any]:
             reference.double()
             for p in model.parameters():
                 p.data = p.data.double()
-        if step == 5:  # swapped for new parameters: per-parameter for one backward again
+        if step == 5:  # swapped for new parameters: found again
             reference.float()
             model.float()
         dtype = torch.float64 if step in (3, 4) else torch.float32
@@ -517,11 +520,11 @@ def test_dtype_change_and_a_raising_backward_keep_it_exact() -> None:
     """A dtype change after the buckets were made (``p.data = ...``: they are made again; or
     ``module.float()``, which swaps in new parameters: discovered again), and a backward that
     raised half-way (the next one starts afresh): training equals one process, and each
-    backward launches its bucket except the per-parameter ones after a swap."""
+    backward launches its bucket, the first one and the one after a swap included."""
     for got in get_pool(2).run(changes_job):
         assert got["raised"], got
         assert not got["errors"], got
-        assert got["counts"] == [0, 1, 1, 1, 1, 0, 1], got["counts"]
+        assert got["counts"] == [1, 1, 1, 1, 1, 1, 1], got["counts"]
         assert got["dtypes"] == ["torch.float32"], got
 
 
@@ -550,11 +553,11 @@ def bare_leaf_job() -> dict[str, Any]:
     return {"counts": counts, "fresh": fresh_counts, "errors": errors}
 
 
-def test_bare_leaves_join_after_their_second_backward() -> None:
-    """A bare global leaf joins the buckets after its second backward (per-parameter until
-    then), a leaf made anew each step never does; both get one process's gradients."""
+def test_bare_leaves_join_in_their_second_backward() -> None:
+    """A bare global leaf joins the buckets in its second backward (per-parameter in its
+    first), a leaf made anew each step never does; both get one process's gradients."""
     for got in get_pool(2).run(bare_leaf_job):
-        assert got["counts"] == [0, 0, 1, 1], got
+        assert got["counts"] == [0, 1, 1, 1], got
         assert got["fresh"] == [0, 0, 0, 0], got
         assert max(got["errors"]) < _TOL, got
 
@@ -617,7 +620,7 @@ def dropped_job() -> list[bool]:
         for _ in range(3):
             model.zero_grad()
             model(x).sum().backward()
-        sync = model[0].weight._grad_sync if kind == "global" else model._sync
+        sync = GradientSync.of(model[0].weight) if kind == "global" else model._sync
         alive = weakref.ref(sync)
         del model, module, x, sync
         gc.collect()
@@ -671,8 +674,8 @@ def deepcopy_job() -> dict[str, Any]:
 
 def test_a_deep_copy_gets_buckets_of_its_own() -> None:
     """copy.deepcopy of a model whose gradients are in buckets: the copy's parameters join
-    buckets of their own (per-parameter for their first backward), the original keeps its
-    own, and both train as one process does."""
+    buckets of their own (from their first backward), the original keeps its own, and both
+    train as one process does."""
     for got in get_pool(2).run(deepcopy_job):
         assert got["errors"] == [{}, {}], got
-        assert got["launches"] == {"model": [0, 1, 1, 1, 1], "copy": [0, 1, 1]}, got
+        assert got["launches"] == {"model": [1, 1, 1, 1, 1], "copy": [1, 1, 1]}, got

@@ -30,6 +30,7 @@ from torch import nn
 
 import sbpflow
 from sbpflow.nn.parallel._params import data_axes
+from sbpflow.nn.parallel._reducer import GradientSync
 from sbpflow.sbp import Broadcast, Split
 from sbpflow.testing import get_pool
 
@@ -183,7 +184,7 @@ def llama_job(mesh: list[Any], layers: int) -> dict[str, Any]:
     # The default gradient buckets (NOTE [data parallel by default]): one kind per set of
     # data axes (the parameter's broadcast axes), and how many buckets they made.
     result["data_axes_kinds"] = len({data_axes(p._layout) for p in params})
-    syncs = {id(s): s for p in params if (s := p.__dict__.get("_grad_sync")) is not None}
+    syncs = {id(s): s for p in params if (s := GradientSync.of(p)) is not None}
     result["num_buckets"] = sum(len(s.buckets) for s in syncs.values())
     return result
 
@@ -214,8 +215,8 @@ def test_sequence_parallel_mlp_blocks_gather_and_reduce_scatter() -> None:
     block forward one all_gather (into the column-parallel matmul) and one reduce_scatter
     (of the row-parallel output); backward the reverse pair, the all_gather of the layer norm
     output again for the up weight's gradient, and the all_reduces of the layer norm weight
-    and bias, whose gradients are sums over the ranks' tokens (one each in the first
-    backward, then one bucket for all); training equals one process."""
+    and bias, whose gradients are sums over the ranks' tokens (one bucket for all, from the
+    first backward on); training equals one process."""
     for rank, got in enumerate(get_pool(2).run(megatron_mlp_job, True)):
         where = f"rank {rank}"
         _check_values(where, got)
@@ -224,10 +225,9 @@ def test_sequence_parallel_mlp_blocks_gather_and_reduce_scatter() -> None:
             backward = {
                 "all_gather": 2 * _BLOCKS,
                 "reduce_scatter": _BLOCKS,
-                # The first backward reduces them one by one (the per-parameter path); then
-                # they join one default bucket (NOTE [data parallel by default]): all broadcast
-                # on the one axis, far below the first bucket's 1 MiB.
-                "all_reduce": 2 * _BLOCKS if step == 0 else 1,
+                # One default bucket (NOTE [data parallel by default]), the first backward's
+                # too: all broadcast on the one axis, far below the first bucket's 1 MiB.
+                "all_reduce": 1,
             }
             assert record["forward"] == forward, (where, step, record)
             assert record["backward"] == backward, (where, step, record)
@@ -251,8 +251,7 @@ def test_llama_on_a_data_by_tensor_parallel_mesh() -> None:
     """The same on a 2x2 mesh, tokens split on the data axis (0): on the tensor axis (1) two
     all_reduces per layer forward and two backward; the only other collectives are on the
     data axis: the loss's all_reduce and the parameters' gradient all_reduces, one per
-    parameter in the first backward and one per bucket after it; training equals one
-    process on the whole batch."""
+    bucket, the first backward included; training equals one process on the whole batch."""
     pytest.importorskip("transformers", reason="needs Hugging Face transformers")
     layers = 2
     for rank, got in enumerate(get_pool(4).run(llama_job, [[0, 1], [2, 3]], layers)):
@@ -264,12 +263,10 @@ def test_llama_on_a_data_by_tensor_parallel_mesh() -> None:
             # over the ranks' tokens.
             forward = {tensor_axis: 2 * layers, data_axis: 1}
             assert record["forward"] == forward, (where, step, record)
-            # On the data axis backward: the first backward reduces each parameter's gradient
-            # on its own (the per-parameter path), then the parameters join the default
-            # buckets (NOTE [data parallel by default]), one all_reduce per bucket: one bucket
-            # per kind of parameter, (B, S) or (B, B), since the model is far below the
-            # first bucket's 1 MiB. Every gradient arrives reduced on the tensor axis.
+            # On the data axis backward: the parameters join the default buckets in the first
+            # backward (NOTE [data parallel by default]), one all_reduce per bucket: one
+            # bucket per kind of parameter, (B, S) or (B, B), since the model is far below
+            # the first bucket's 1 MiB. Every gradient arrives reduced on the tensor axis.
             assert got["num_buckets"] == got["data_axes_kinds"] == 2, (where, got)
-            per_data_axis = got["num_parameters"] if step == 0 else got["num_buckets"]
-            backward = {tensor_axis: 2 * layers, data_axis: per_data_axis}
+            backward = {tensor_axis: 2 * layers, data_axis: got["num_buckets"]}
             assert record["backward"] == backward, (where, step, record)

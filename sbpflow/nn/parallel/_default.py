@@ -5,31 +5,35 @@
 # whose gradient arrives partial there is data parallel, and its gradients
 # are reduced in buckets that overlap backward (NOTE [bucketed gradient sync]
 # in ``_reducer``) without any call:
-#   1. Its first backward pass takes the per-parameter path: the leaf's own
-#      gradient hook (``keep_grad_layout`` in ``_global``) boxes the gradient
-#      to the parameter's layout (one synchronous all_reduce), exact as ever,
-#      and marks the parameter; after AccumulateGrad, ``Discovery.see`` notes it,
-#      in the order the gradients became ready.
+#   1. In its first backward pass the leaf's own gradient hook
+#      (``keep_grad_layout`` in ``_global``) leaves its gradient partial
+#      (``Discovery.holds``) and, after AccumulateGrad, ``Discovery.sees`` notes
+#      it, in the order the gradients became ready.
 #   2. At the end of that backward pass (``queue_callback``) the parameters
 #      noted join one ``GradientSync``, in that order: the order backward
 #      produces them, as torch DDP rebuilds its buckets after its first
 #      iteration. Buckets of torch DDP's default sizes (25 MB, the first 1 MiB).
+#      The partial gradients accumulated in that pass are reduced in those
+#      buckets at once (``GradientSync.reduce_accumulated``), before
+#      ``backward()`` returns.
 #   3. From the next backward pass on their gradients are reduced in those
-#      buckets: launched as each fills, waited for at the end of backward, so
-#      ``.grad`` is reduced before anything can read it (``clip_grad_norm_``,
-#      ``optimizer.step()``).
+#      buckets as backward runs: launched as each fills, waited for at the end of
+#      backward, so ``.grad`` is reduced before anything can read it
+#      (``clip_grad_norm_``, ``optimizer.step()``).
 # Every rank of a data-parallel group runs the same program and so notes the
 # same parameters in the same order; step 2 checks it (one all_reduce of a
 # hash per group, once) and raises on every rank of the group if not, since
 # their bucket all_reduces would pair up wrongly. Parameters that first get a
 # gradient later (unused so far) join later, in buckets of their own.
-# ``nn.Parameter``s join after their first backward pass; another leaf (a
-# bare ``requires_grad`` global tensor) after its second, so a tensor made
-# anew each step stays on the per-parameter path instead of paying a check
-# and a buffer each step. ``sync_gradients(module, bucket_cap_mb=...)``
-# replaces the default buckets of the module's parameters by its own (fixed
-# from the registration order before any backward, with its cap), and
-# ``no_sync(module)`` holds them for gradient accumulation.
+# ``nn.Parameter``s join in their first backward pass; another leaf (a bare
+# ``requires_grad`` global tensor) in its second (its first is boxed per
+# leaf), so a tensor made anew each step stays on the per-parameter path
+# instead of paying a check and a buffer each step. ``torch.autograd.grad`` and
+# ``backward(create_graph=True)`` stay on the per-parameter path.
+# ``sync_gradients(module, bucket_cap_mb=...)`` replaces the default buckets
+# of the module's parameters by its own (fixed from the registration order
+# before any backward, with its cap), and ``no_sync(module)`` holds them for
+# gradient accumulation.
 """
 
 from __future__ import annotations
@@ -41,51 +45,71 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, bind_gradient_discovery
+from ..._global import GlobalTensor, PartialGradients, bind_partial_gradients
 from ..._meta_check import stable_hash
 from ...comm import collectives
 from ...comm._mesh import MESHES
 from ...comm._world import get_rank
 from ...sbp import sbp_str
-from ._params import GlobalParam, data_axes
-from ._reducer import GradientSync
+from ._params import NO_SYNC, GlobalParam, data_axes
+from ._reducer import GradientSync, accumulating
 
 __all__ = ["Discovery"]
 
 _SEEN = "_grad_backwards_seen"  # a bare leaf's __dict__: backward passes it was partial in
 
 
-class Discovery:
-    """The parameters noted in the running backward pass, joined into buckets at its end."""
+class Discovery(PartialGradients):
+    """The parameters noted in the running backward pass, joined into buckets at its end.
+
+    The layout hooks of a leaf (``keep_grad_layout``) show it here when its gradient arrives
+    partial on a data axis (NOTE [partial gradients of leaves] in ``_global``): it is left
+    partial inside a ``no_sync()`` block that holds it, and noted after AccumulateGrad.
+    """
 
     def __init__(self) -> None:
         self._noted: list[GlobalTensor] = []
+        self._held = False  # a noted gradient was left partial: reduce them at the end
         self._callback: Callable[[], Any] | None = None  # the end-of-backward one, weakly
 
-    def see(self, leaf: GlobalTensor) -> None:
+    def holds(self, leaf: GlobalTensor) -> bool:
+        """Inside a ``no_sync()`` block, or joining buckets at the end of this backward pass
+        (which reduce its gradient then)."""
+        return NO_SYNC.holds(leaf) or self._joins(leaf)
+
+    @staticmethod
+    def _joins(leaf: GlobalTensor) -> bool:
+        """Whether ``sees`` will note ``leaf`` in this backward pass (asked before it does)."""
+        if not data_axes(leaf._layout) or not accumulating():
+            return False
+        return isinstance(leaf, torch.nn.Parameter) or leaf.__dict__.get(_SEEN, 0) >= 1
+
+    def sees(self, leaf: GlobalTensor) -> None:
         """After AccumulateGrad of a leaf whose gradient arrived partial on a data axis."""
-        attrs = leaf.__dict__
-        if attrs.get("_grad_sync") is not None or not data_axes(leaf._layout):
+        if GradientSync.of(leaf) is not None or not data_axes(leaf._layout):
             return
         if not isinstance(leaf, torch.nn.Parameter):
+            attrs = leaf.__dict__
             seen = attrs[_SEEN] = attrs.get(_SEEN, 0) + 1
             if seen < 2:
                 return
         if self._callback is None or self._callback() is None:
             # none queued in this backward pass (or the one that queued it raised)
-            self._noted = []
+            self._noted, self._held = [], False
             join = functools.partial(self._join)
             torch.autograd.Variable._execution_engine.queue_callback(join)
             self._callback = weakref.ref(join)
         self._noted.append(leaf)
+        self._held = self._held or self._joins(leaf)
 
     def _join(self) -> None:
-        noted, self._noted, self._callback = self._noted, [], None
+        noted, held = self._noted, self._held
+        self._noted, self._held, self._callback = [], False, None
         members, seen = [], set()
         for leaf in noted:
             if (
                 id(leaf) in seen
-                or leaf.__dict__.get("_grad_sync") is not None
+                or GradientSync.of(leaf) is not None
                 or not leaf.requires_grad
                 or not data_axes(leaf._layout)
             ):
@@ -95,7 +119,9 @@ class Discovery:
             members.append(GlobalParam(description, leaf, description))
         if members:
             _check_same_order(members)
-            GradientSync(members, None, explicit=False)
+            sync = GradientSync(members, None, explicit=False)
+            if held:  # not when create_graph kept each .grad boxed, with its history
+                sync.reduce_accumulated()
 
 
 def _describe(leaf: GlobalTensor) -> str:
@@ -129,4 +155,4 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
 
 
 DISCOVERY = Discovery()
-bind_gradient_discovery(DISCOVERY.see)
+bind_partial_gradients(DISCOVERY)

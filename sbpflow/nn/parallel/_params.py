@@ -15,6 +15,8 @@ reduced (``reduced_grad``). The bucket and its states are ``GradientSync``'s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,10 +27,42 @@ from ...comm._world import get_rank
 from ...placement import Placement
 from ...sbp import Broadcast, Partial
 
-__all__ = ["GlobalParam", "LocalParam", "ReducedParam", "data_axes"]
+__all__ = ["NO_SYNC", "GlobalParam", "LocalParam", "NoSyncBlocks", "ReducedParam", "data_axes"]
 
 _SUM = Partial("sum")
-NO_SYNC_DEPTH = "_no_sync_depth"  # in a parameter's __dict__: how many no_sync() blocks hold it
+
+
+class NoSyncBlocks:
+    """The parameters that running ``no_sync()`` blocks hold, and how many blocks hold each.
+
+    Keyed by ``id``: a block holds its parameters until it ends, so an id here names one
+    live parameter (``torch.utils.swap_tensors`` keeps the Python object, and so the id).
+    """
+
+    def __init__(self) -> None:
+        self._depth: dict[int, int] = {}
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return id(param) in self._depth
+
+    @contextlib.contextmanager
+    def block(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Hold ``params`` while the block runs."""
+        depth = self._depth
+        for p in params:
+            depth[id(p)] = depth.get(id(p), 0) + 1
+        try:
+            yield
+        finally:
+            for p in params:
+                left = depth.get(id(p), 1) - 1
+                if left:
+                    depth[id(p)] = left
+                else:
+                    depth.pop(id(p), None)
+
+
+NO_SYNC = NoSyncBlocks()
 
 
 def data_axes(layout: Layout) -> tuple[int, ...]:
@@ -80,7 +114,7 @@ class ReducedParam:
     @property
     def paused(self) -> bool:
         """Inside a ``no_sync()`` block that holds this parameter."""
-        return bool(self.param.__dict__.get(NO_SYNC_DEPTH))
+        return NO_SYNC.holds(self.param)
 
     def bucket_key(self) -> Any:
         """Parameters of one key can share a flat buffer (NOTE [bucket order])."""

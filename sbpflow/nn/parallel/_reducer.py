@@ -69,7 +69,8 @@
 
 # NOTE [who owns a sync]
 # A ``GradientSync`` lives as long as what made it holds it: each global
-# parameter it reduces (``p._grad_sync``, in the parameter's ``__dict__``), or
+# parameter it reduces (the parameter's gradients are handed over to it,
+# ``hand_over_gradients`` in ``_global``, and ``GradientSync.of(p)`` finds it), or
 # the ``DistributedDataParallel`` wrapper. Its gradient hooks hold it weakly:
 # they are kept by the parameter's C++ autograd metadata, which the garbage
 # collector cannot see into, so a strong reference there would keep the
@@ -115,13 +116,18 @@ import contextlib
 import enum
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..._global import drop_grad_layout_hook, keep_grad_layout, register_grad_hook
+from ..._global import (
+    gradient_owner,
+    hand_over_gradients,
+    register_grad_hook,
+    take_back_gradients,
+)
 from ...boxing import tracing as _trace
 from ...comm import collectives
 from ...comm._mesh import MESHES
@@ -129,9 +135,9 @@ from ...comm._world import get_rank
 from ...placement import Placement
 from ...sbp import Broadcast
 from ._buckets import assign_buckets
-from ._params import NO_SYNC_DEPTH, GlobalParam, LocalParam, ReducedParam
+from ._params import NO_SYNC, GlobalParam, LocalParam, ReducedParam
 
-__all__ = ["BucketState", "GradientSync", "check_bucket_cap", "paused"]
+__all__ = ["BucketState", "GradientSync", "accumulating", "check_bucket_cap", "paused"]
 
 # With ``bucket_cap_mb`` left at its default, buckets hold 25 MB and the first bucket of
 # each kind 1 MiB, so reduction starts early in backward; a cap given explicitly applies to
@@ -199,8 +205,7 @@ class GradientSync:
         self._handles = []
         for m in self._members:
             if isinstance(m, GlobalParam):
-                m.param._grad_sync = self  # type: ignore[attr-defined]
-                drop_grad_layout_hook(m.param)
+                hand_over_gradients(m.param, self)  # the parameter holds its sync
         # The hooks hold the sync weakly (NOTE [who owns a sync]).
         me = weakref.ref(self)
         for index, m in enumerate(self._members):
@@ -248,9 +253,19 @@ class GradientSync:
             handle.remove()
         self._handles = []
         for m in self._members:
-            if getattr(m.param, "_grad_sync", None) is self:
-                del m.param._grad_sync  # type: ignore[attr-defined]
-                keep_grad_layout(m.param)
+            take_back_gradients(m.param, self)
+
+    @staticmethod
+    def of(param: torch.Tensor) -> GradientSync | None:
+        """The sync that reduces the gradients of the global parameter ``param``, if any."""
+        owner = gradient_owner(param)
+        return owner if isinstance(owner, GradientSync) else None
+
+    def reduce_accumulated(self) -> None:
+        """Reduce, in the buckets and at once, the gradients accumulated in ``.grad`` (at the
+        end of the backward pass whose gradients made the members, NOTE [data parallel by
+        default] in ``_default``); buckets inside ``no_sync()`` are left alone."""
+        self._finish()
 
     def _make_buckets(self) -> list[_Bucket]:
         """Buckets of the members, in order, for their current sizes (NOTE [bucket order])."""
@@ -269,7 +284,7 @@ class GradientSync:
     # -- during backward -------------------------------------------------------------
     def _before(self, m: ReducedParam, grad: torch.Tensor) -> torch.Tensor | None:
         """Pre-hook, before AccumulateGrad adds ``grad`` to ``.grad``."""
-        if not _accumulating():
+        if not accumulating():
             return m.own_layout_grad(grad)
         if m.view is None:
             return None  # the parameter has no piece here
@@ -445,7 +460,7 @@ def check_bucket_cap(bucket_cap_mb: object) -> None:
         )
 
 
-def _accumulating() -> bool:
+def accumulating() -> bool:
     """Whether the running backward pass accumulates gradients into ``.grad`` without a graph
     of their own: not ``torch.autograd.grad`` and not ``create_graph=True``."""
     if torch.is_grad_enabled():
@@ -456,20 +471,9 @@ def _accumulating() -> bool:
         return False
 
 
-@contextlib.contextmanager
-def paused(params: Sequence[torch.Tensor]) -> Iterator[None]:
+def paused(params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
     """Hold ``params`` in a ``no_sync()`` block: their buckets are left alone meanwhile."""
-    for p in params:
-        p.__dict__[NO_SYNC_DEPTH] = p.__dict__.get(NO_SYNC_DEPTH, 0) + 1
-    try:
-        yield
-    finally:
-        for p in params:
-            depth = p.__dict__.get(NO_SYNC_DEPTH, 1) - 1
-            if depth:
-                p.__dict__[NO_SYNC_DEPTH] = depth
-            else:
-                p.__dict__.pop(NO_SYNC_DEPTH, None)
+    return NO_SYNC.block(params)
 
 
 def _make_bucket(members: list[ReducedParam], rank: int) -> _Bucket:

@@ -33,6 +33,7 @@ from .._identity import check_convertible, convert_in_place
 from ._fsdp_group import ParamGroup, ShardedState
 from ._fsdp_param import DATA_AXIS, ShardedParam, shard_dim, sharded_layout
 from ._fsdp_state import STATE_ATTR, FSDPState, MixedPrecision
+from ._reducer import GradientSync
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "ShardedState", "fully_shard"]
 
@@ -357,7 +358,7 @@ def _leave_data_parallel_sync(entry: _Entry) -> None:
     """A parameter that trained data parallel leaves its bucketed gradient sync: fully_shard
     reduces its gradients from now on (the default sync's other parameters go back to the
     per-parameter path and join buckets again in their next backward pass)."""
-    sync = entry.tensor.__dict__.get("_grad_sync")
+    sync = GradientSync.of(entry.tensor)
     if sync is None:
         return
     if sync.explicit:

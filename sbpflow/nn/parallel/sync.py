@@ -44,7 +44,7 @@ def sync_gradients(module: torch.nn.Module, bucket_cap_mb: float | None = None) 
         if not isinstance(param, GlobalTensor):
             local.append(name)
             continue
-        sync = getattr(param, "_grad_sync", None)
+        sync = GradientSync.of(param)
         if sync is not None and sync.explicit:
             raise ValueError(
                 f"the gradients of {name!r} are already synced by another GradientSync; call "
