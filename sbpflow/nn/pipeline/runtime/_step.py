@@ -74,13 +74,16 @@ def run_step(
     holder = next(
         (s.placement.flat_ranks[0] for s in stages if rank in s.placement.flat_ranks), None
     )
+    todo = compute_order(schedule, holder, len(microbatches))
+    held = schedule.stages_of(holder) if holder is not None else ()
+    # NOTE [weight pass] in _weight_pass.py; several stages on a rank park their weight pass
+    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole
+    reuse = len(held) <= 1 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
     mbs = [
-        MicroBatch(k, args, kwargs, context)
+        MicroBatch(k, args, kwargs, context, reuse)
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
     ]
     recorder = Recorder(rank, stages)
-    todo = compute_order(schedule, holder, len(mbs))
-    held = schedule.stages_of(holder) if holder is not None else ()
     with (
         held_elsewhere.installed(stages, rank),
         held_here.installed(stages, rank),
