@@ -16,7 +16,7 @@
 # on only the ranks with pieces to move take part.
 #
 # NOTE [deferred sends]
-# In a pipelined step (sbpflow/nn/_pipeline_runtime.py) a stage's sends must
+# In a pipelined step (sbpflow/nn/pipeline/runtime/) a stage's sends must
 # not wait for their receiver: stage s sends micro-batch k's activation and
 # goes on with k+1 while stage s+1 is still busy, and a weight used on the
 # first and last stage is sent forward long before the last stage reads it.
@@ -27,8 +27,8 @@
 # ranks on one group are matched in the order they are posted (gloo and NCCL
 # both keep point-to-point order per pair and group); the runtime keeps that
 # order equal on both sides by running the same program on every rank (NOTE
-# [one program, one message order] in _pipeline_runtime.py). Both backends
-# take lone isend/irecv calls, so this works on NCCL as on gloo; on NCCL
+# [one program, one message order] in sbpflow/nn/pipeline/runtime/_scope.py).
+# Both backends take lone isend/irecv calls, so this works on NCCL as on gloo; on NCCL
 # ``wait`` orders the current stream after the transfer instead of blocking.
 # Each transfer is reported to the block's ``observer`` (direction, peer,
 # bytes, wait start and end) so the runtime can record what ran.
