@@ -37,9 +37,10 @@
 # call on every rank, so the same message order. Its graph is kept. W computes
 # the weight gradients (the parameters, and any other leaf that needs a
 # gradient) from the gradients I saw where they branch off its path (NOTE
-# [weight pass] in _weight_pass.py), so it runs no node I ran. On a rank holding
-# several stages W instead runs the loss's backward again, to stop between its
-# stages (NOTE [several stages on a rank] in _workers.py); the changes of
+# [weight pass] in _weight_pass.py), running again only the nodes where weight
+# gradients branch off. On a rank holding several stages W instead runs the
+# loss's backward again, to stop between its stages (NOTE [several stages on a
+# rank] in _workers.py); the changes of
 # placement it crosses again return the gradients I computed (kept on the
 # autograd node) instead of receiving them a second time, so W sends and
 # receives nothing either way. Gradients and losses equal B's exactly.

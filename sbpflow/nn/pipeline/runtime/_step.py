@@ -85,6 +85,7 @@ def run_step(
     ]
     recorder = Recorder(rank, stages)
     with (
+        _released(mbs),
         held_elsewhere.installed(stages, rank),
         held_here.installed(stages, rank),
         _collector_paused(),  # NOTE [no garbage collection inside a step]
@@ -105,12 +106,22 @@ def run_step(
                 mb.context.run(run_action, action, scopes[action.microbatch], build)
                 recorder.add(action, start, time.monotonic())
             receives.finish()
-    for mb in mbs:
-        mb.release()
     ranks = (rank,) if holder is not None else ()
     timings = tuple(recorder.timings) if holder is not None else ()
     record = StepRecord(schedule, ranks, timings, tuple(recorder.messages))
     return [mb.output for mb in mbs], record
+
+
+@contextlib.contextmanager
+def _released(mbs: Sequence[MicroBatch]) -> Iterator[None]:
+    """Release each micro-batch's graph when the block ends, also when it raises: a split
+    micro-batch's saved tensors are held by the micro-batch (NOTE [saved tensors of a split
+    micro-batch] in _weight_pass.py), in a cycle through its graph."""
+    try:
+        yield
+    finally:
+        for mb in mbs:
+            mb.release()
 
 
 @contextlib.contextmanager

@@ -6,9 +6,9 @@
 # that path at some node of it (an "intermediate": a matmul's backward, say, whose input
 # gradient I needs and whose weight gradient it skips). Before I runs, a pre-hook on each
 # such node keeps the gradients the node receives; W then runs the backward from those
-# nodes, with those gradients, into the weights only, so the part of the graph I already
-# ran is not run again (torch.distributed.pipelining's ``stage_backward_weight`` does the
-# same). The weights are found by walking the graph: every leaf the loss reaches (the
+# nodes, with those gradients, into the weights only: of what I ran, W runs again only the
+# intermediates themselves, for their weight half (torch.distributed.pipelining's
+# ``stage_backward_weight`` does the same). The weights are found by walking the graph: every leaf the loss reaches (the
 # parameters, their pieces, any other leaf that needs a gradient), so W accumulates into
 # the same ``.grad`` as a whole backward, through their AccumulateGrad nodes and hooks.
 #
@@ -16,9 +16,9 @@
 # weights that share an intermediate form one group, and W runs one backward per group
 # with ``inputs`` its weights, so the engine runs only the nodes between the group's
 # intermediates and its weights. A weight reached from two intermediates of which one lies
-# beyond the other on I's path (a weight used twice) gets the gradient of both; the
-# farther one's pre-hook then gives back its kept gradients, so what arrives there from
-# the nearer one is not counted twice. Each weight is in one group, so its gradient is
+# beyond the other on I's path (a weight used twice) gets the gradient of both, and W runs
+# the path between them again; the farther one's pre-hook then gives back its kept
+# gradients, so what arrives there from the nearer one is not counted twice. Each weight is in one group, so its gradient is
 # summed inside one backward and accumulated once, as in the whole backward: gradients
 # equal B's exactly. A changed placement W crosses again returns the gradient I kept.
 #
