@@ -10,8 +10,8 @@ user's module would:
   holds the stage (its pieces are not empty) the one at the input logs ``F`` with a
   fingerprint of the input (the sum of its local values); the one at the output logs
   ``O`` in backward, when the gradient of the stage's output arrives (a full backward B,
-  an input half I that computes inside the stage, a weight half W when I did not or the
-  rank holds several stages), and
+  an input half I that computes inside the stage, a weight half W when I did not, on the
+  first stage, or on a rank holding several stages), and
   links the input's
   fingerprint to the output's.
 - The micro-batch of each event is found from the data, not from the runtime: the first
@@ -144,9 +144,9 @@ def expected_order(
     (then I has nothing to compute inside the stage). W starts from the gradients I kept
     inside the stage (NOTE [weight pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py),
     so it reaches O only where I did not: it then starts from the stage's output; on a rank
-    holding several stages W runs the backward again and reaches O. In a micro-batch whose
-    backward this rank splits, a B runs as its I and then its W (NOTE [several stages on
-    a rank] in sbpflow/nn/pipeline/runtime/_workers.py).
+    holding several stages, and on the first stage, W runs the backward again and reaches O.
+    In a micro-batch whose backward this rank splits, a B runs as its I and then its W
+    (NOTE [several stages on a rank] in sbpflow/nn/pipeline/runtime/_workers.py).
     """
     split = {a.microbatch for a in actions if a.kind in (_I, _W)}
     seen: list[tuple[str, int, int]] = []
@@ -157,7 +157,7 @@ def expected_order(
         input_half = stage > 0 or input_half_reaches_first_stage
         if kind is _I:
             return input_half
-        return kind is not _W or whole_weight_pass or not input_half
+        return kind is not _W or whole_weight_pass or stage == 0 or not input_half
 
     for a in actions:
         if a.kind is ActionKind.FORWARD:

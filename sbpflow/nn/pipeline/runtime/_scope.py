@@ -40,7 +40,7 @@
 # [weight pass] in _weight_pass.py), running again only the nodes where weight
 # gradients branch off. On a rank holding several stages W instead runs the
 # loss's backward again, to stop between its stages (NOTE [several stages on a
-# rank] in _workers.py); the changes of
+# rank] in _workers.py), and so does the first stage (_step.py); the changes of
 # placement it crosses again return the gradients I computed (kept on the
 # autograd node) instead of receiving them a second time, so W sends and
 # receives nothing either way. Gradients and losses equal B's exactly.

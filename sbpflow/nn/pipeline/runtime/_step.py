@@ -76,9 +76,14 @@ def run_step(
     )
     todo = compute_order(schedule, holder, len(microbatches))
     held = schedule.stages_of(holder) if holder is not None else ()
-    # NOTE [weight pass] in _weight_pass.py; several stages on a rank park their weight pass
-    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole
-    reuse = len(held) <= 1 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
+    # NOTE [weight pass] in _weight_pass.py. Several stages on a rank park their weight pass
+    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole; so does
+    # the first stage, whose input half computes nothing inside it (its input needs no
+    # gradient): its weight pass is its whole backward either way, and run whole it frees
+    # each node's saved tensors as it goes.
+    reuse = (
+        len(held) == 1 and held[0] != 0 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
+    )
     mbs = [
         MicroBatch(k, args, kwargs, context, reuse)
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
