@@ -12,6 +12,11 @@ starts after a barrier and its time is the slowest rank's. Host CPU per action: 
 time of the rank's main thread (``time.thread_time``) in each compute action (sbpflow: the
 runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the stage).
 
+Part 4, 2 ranks, 2 stages: the split backward's weight pass. ``sbpflow.nn.Graph`` with
+``1f1b`` and with ``zero_bubble`` on the same stages, interleaved: step time, and host CPU of
+the main thread per B (1f1b) and per I and W (zero_bubble). The weight pass starts from the
+gradients the input pass kept, so I + W costs about what B does.
+
 Part 3, 4 ranks: the same stages as two 2-stage pipelines at once (ranks 0-1 and ranks 2-3)
 and as one 4-stage pipeline (ranks 0-3), interleaved in one run: host CPU per forward and per
 backward action on each rank. Stage-local execution makes it the same: a rank runs its own
@@ -41,8 +46,10 @@ from sbpflow.sbp import broadcast
 
 WIDTH, LAYERS, BATCH, M = 1024, 4, 256, 8
 SCHEDULES = ("gpipe", "1f1b")
-# Per action kind, its CPU time and the part of it in transfers ("moves", part 3 only).
-KINDS = ("F", "B", "F moves", "B moves")
+SPLIT_SCHEDULES = ("1f1b", "zero_bubble")  # part 4
+# Per action kind, its CPU time and the part of it in transfers ("moves", part 3 only); I
+# and W are the halves of a split backward (part 4 only).
+KINDS = ("F", "B", "F moves", "B moves", "I", "W")
 
 
 def stage_module(seed: int) -> nn.Sequential:
@@ -155,12 +162,15 @@ def _one_rank_step(rank: int) -> Callable[[], None]:
     return step
 
 
-def _patched_actions(cpu: _ActionCpu) -> Callable[[], None]:
-    """Time the runtime's compute actions on this rank; returns the undo."""
+def _patched_actions(cpu: _ActionCpu, halves: bool = False) -> Callable[[], None]:
+    """Time the runtime's compute actions on this rank (with ``halves``, I and W apart from
+    B); returns the undo."""
     original = _step.run_action
 
     def run_action(action: Any, scope: Any, build: Any) -> None:
-        kind = "F" if action.kind.value == "F" else "B"
+        kind = action.kind.value
+        if kind != "F" and not (halves and kind in ("I", "W")):
+            kind = "B"
         cpu.timed(kind, original)(action, scope, build)
 
     _step.run_action = run_action  # type: ignore[assignment]
@@ -205,6 +215,8 @@ def _interleaved(
             "cpu_b": median(per_action[n]["B"]),
             "moves_f": median(per_action[n]["F moves"]),
             "moves_b": median(per_action[n]["B moves"]),
+            "cpu_i": median(per_action[n]["I"]),
+            "cpu_w": median(per_action[n]["W"]),
         }
         for n in names
     }
@@ -246,6 +258,33 @@ def worker_vs_torch(rank: int, world: int, port: int, reps: int, queue: Any) -> 
     if rank == 0:
         record = StepRecord.combine(r for _, r in gathered if r.ranks)
         queue.put(([res for res, _ in gathered], record))
+    dist.barrier()
+
+
+def worker_weight_pass(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
+    join_world(rank, world, port)
+    steps: dict[str, Callable[[], None]] = {}
+    cpus: dict[str, _ActionCpu] = {}
+    sbp_cpu = _ActionCpu()
+    for schedule in SPLIT_SCHEDULES:
+        graph, batch = _sbp_graph(schedule, 2)
+        cpus[schedule] = _ActionCpu()
+
+        def run(graph: Any = graph, batch: Any = batch, name: str = schedule) -> None:
+            sbp_cpu.clear()
+            graph(*batch)
+            cpus[name].seconds = sbp_cpu.seconds
+
+        steps[schedule] = run
+    undo = _patched_actions(sbp_cpu, halves=True)
+    try:
+        results = _interleaved(steps, reps, cpus)
+    finally:
+        undo()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        queue.put(gathered)
     dist.barrier()
 
 

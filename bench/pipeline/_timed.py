@@ -4,7 +4,10 @@
 (8 stages: dealt round-robin, or as a V for zbv and dualpipev) for the others. Each stage is
 a tiny linear and a timed wait of ``T / v`` in forward and ``2T / v`` in backward, or
 ``T / v`` per half of a split backward (the first stage has no input gradient to compute, so
-its weight half waits ``2T / v``): a rank's work is the same under every schedule. The waits
+its weight half waits ``2T / v``): a rank's work is the same under every schedule. The input
+half's wait sits on the activation's path and the weight half's on the weight's, so each
+runs where its half computes (the weight pass starts from the gradients the input pass kept
+and does not run the activation's path again). The waits
 sleep, so four ranks on a machine with fewer cores measure the schedule, not the CPU. The
 bubble is measured from the runtime's record of the last step (``graph.last_step()``,
 combined over the ranks): 1 - computing time / (ranks x makespan), a rank waiting for a
@@ -59,13 +62,19 @@ def formula(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (3 * v * m + p - 1)  # the zero-bubble family
 
 
+def _waits_here(x: torch.Tensor, seconds: float) -> float:
+    local = x.to_local() if isinstance(x, sbpflow.GlobalTensor) else x
+    return seconds if local.numel() else 0.0  # only the ranks holding the stage wait
+
+
 class TimedWait(torch.autograd.Function):
-    """Waits ``seconds`` in forward and 2x in backward (1x per half of a split backward)."""
+    """On the activation's path: waits ``seconds`` in forward, and in backward for the input
+    half (in a B, or an I; in a W only on the first stage, whose I does not reach it, or on
+    a rank holding several stages, whose W runs the backward again: then only there)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float, first: bool) -> torch.Tensor:
-        local = x.to_local() if isinstance(x, sbpflow.GlobalTensor) else x
-        ctx.seconds = seconds if local.numel() else 0.0  # only the ranks holding the stage wait
+        ctx.seconds = _waits_here(x, seconds)
         ctx.first = first
         time.sleep(ctx.seconds)
         return x.view_as(x)
@@ -74,11 +83,23 @@ class TimedWait(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         action = current_action()
         kind = action.kind if action is not None else ActionKind.BACKWARD
-        halves = 1
-        if kind is ActionKind.BACKWARD or (kind is ActionKind.BACKWARD_WEIGHT and ctx.first):
-            halves = 2
-        time.sleep(halves * ctx.seconds)
+        if kind is not ActionKind.BACKWARD_WEIGHT or ctx.first:
+            time.sleep(ctx.seconds)
         return grad, None, None
+
+
+class TimedWeight(torch.autograd.Function):
+    """On the weight's path: waits ``seconds`` in backward (the weight half, in a B or a W)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = _waits_here(w, seconds)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
 
 
 class TimedStage(nn.Module):
@@ -88,7 +109,9 @@ class TimedStage(nn.Module):
         self.seconds, self.first = seconds, first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return TimedWait.apply(self.linear(x), self.seconds, self.first)
+        weight = TimedWeight.apply(self.linear.weight, self.seconds)
+        y = F.linear(x, weight, self.linear.bias)
+        return TimedWait.apply(y, self.seconds, self.first)
 
 
 class Chain(nn.Module):

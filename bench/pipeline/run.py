@@ -15,11 +15,16 @@ and 2-3) and as one 4-stage pipeline on 4 ranks, interleaved: host CPU per actio
 rank (target: the same within 10% on ranks 0 and 3, which hold the first and the last stage
 in both).
 
+Part 4 (bench/pipeline/_real.py): the stages of part 2 under ``1f1b`` and ``zero_bubble``,
+interleaved: host CPU per B against per I and W of the split backward (target: I + W within
+10% of B, the weight pass reusing what the input pass computed), and the step times.
+
 Usage (from the repository root)::
 
     python bench/pipeline/run.py                          # print the tables
     python bench/pipeline/run.py --out docs/benchmarks.md # also write the section and the SVGs
     python bench/pipeline/run.py --parts 2 --runs 1       # one quick run of part 2
+    python bench/pipeline/run.py --parts 4 --runs 1       # one quick run of part 4
 """
 
 from __future__ import annotations
@@ -193,12 +198,40 @@ def part3(reps: int, runs: int) -> tuple[str, list[str]]:
     return table, misses
 
 
+def part4(reps: int, runs: int) -> tuple[str, list[str]]:
+    """One row per run and rank: B against I + W, and the step times."""
+    lines, misses = [], []
+    for run in range(runs):
+        load = _load()
+        per_rank = _spawn(_real.worker_weight_pass, 2, reps)
+        for rank, results in enumerate(per_rank):
+            plain, split = results["1f1b"], results["zero_bubble"]
+            b, i, w = plain["cpu_b"], split["cpu_i"], split["cpu_w"]
+            ratio = (i + w) / b
+            if ratio > 1.10:
+                misses.append(f"run {run + 1} rank {rank}: (I + W) / B = {ratio:.2f}")
+            step = {n: statistics.median(r["times"]) * 1e3 for n, r in results.items()}
+            lines.append(
+                f"| {run + 1} | {rank} | {b * 1e3:.2f} | {i * 1e3:.2f} | {w * 1e3:.2f} | "
+                f"**{ratio:.2f}** | {step['1f1b']:.1f} | {step['zero_bubble']:.1f} | {load} |"
+            )
+    table = "\n".join(
+        [
+            "| run | rank | 1f1b B ms | zero_bubble I ms | zero_bubble W ms | (I + W) / B | "
+            "1f1b step ms | zero_bubble step ms | load average at start |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *lines,
+        ]
+    )
+    return table, misses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed steps per row of part 1")
     parser.add_argument("--real-reps", type=int, default=9, help="steps per variant, parts 2-3")
     parser.add_argument("--runs", type=int, default=3, help="fresh runs of parts 2 and 3")
-    parser.add_argument("--parts", default="1,2,3")
+    parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -223,9 +256,17 @@ def main() -> None:
             if out["count_misses"]
             else "part 3 on target: host CPU per action of ranks 0 and 3 within 10%"
         )
+    if 4 in parts:
+        out["split"], out["split_misses"] = part4(args.real_reps, args.runs)
+        print(out["split"])
+        print(
+            "off target: " + "; ".join(out["split_misses"])
+            if out["split_misses"]
+            else "part 4 on target: I + W within 10% of B on every rank"
+        )
     if args.out is not None:
-        if parts != {1, 2, 3}:
-            raise SystemExit("--out writes the whole section: run every part (--parts 1,2,3).")
+        if parts != {1, 2, 3, 4}:
+            raise SystemExit("--out writes the whole section: run every part (--parts 1,2,3,4).")
         (args.out.parent / SVG_TIMED).write_text(out["timed_record"].svg())
         (args.out.parent / SVG_REAL).write_text(out["real_record"].svg())
         write_section(args.out, _section(where, out, args), SECTION_START, SECTION_END)
@@ -243,6 +284,11 @@ def _section(where: str, out: dict[str, Any], args: Any) -> str:
         "10% of the 2-stage pipelines'."
         if not out["count_misses"]
         else "Off the 10% target: " + "; ".join(out["count_misses"]) + "."
+    )
+    verdict4 = (
+        "On every rank I + W is within 10% of B."
+        if not out["split_misses"]
+        else "Off the 10% target: " + "; ".join(out["split_misses"]) + "."
     )
     return f"""{SECTION_START}
 ## Pipeline schedules: measured bubble and throughput
@@ -316,6 +362,16 @@ a rank's median over its actions, then the median over the {args.runs} runs.
 {out["counts"]}
 
 {verdict3}
+
+**4. The split backward's weight pass.** The stages of part 2 under `1f1b` and `zero_bubble`,
+interleaved on 2 gloo ranks: host CPU of the main thread per B of 1f1b against per I and per W
+of zero_bubble (a rank's median over its actions), and the step times. The weight pass starts
+from the gradients the input pass kept where each weight's gradient branches off
+(docs/pipeline.md), so I + W should cost what B does (target: within 10%).
+
+{out["split"]}
+
+{verdict4}
 {SECTION_END}"""
 
 

@@ -10,7 +10,9 @@ user's module would:
   holds the stage (its pieces are not empty) the one at the input logs ``F`` with a
   fingerprint of the input (the sum of its local values); the one at the output logs
   ``O`` in backward, when the gradient of the stage's output arrives (a full backward B,
-  an input half I that computes inside the stage, a weight half W), and links the input's
+  an input half I that computes inside the stage, a weight half W when I did not, on the
+  first stage, or on a rank holding several stages), and
+  links the input's
   fingerprint to the output's.
 - The micro-batch of each event is found from the data, not from the runtime: the first
   stage's input fingerprints are those of the batch's slices, and each later stage's input
@@ -137,17 +139,25 @@ def expected_order(
 ) -> list[tuple[str, int, int]]:
     """What the probes see of a rank's compute actions, run in that order.
 
-    F logs F; B and W reach the stage's output gradient (O); so does I, except on the
-    first stage, whose input needs no gradient, when no weight of it crossed to another
-    placement (then I has nothing to compute inside the stage). In a micro-batch whose
-    backward this rank splits, a B runs as its I and then its W (NOTE [several stages on
-    a rank] in sbpflow/nn/pipeline/runtime/_workers.py).
+    F logs F; B reaches the stage's output gradient (O); so does I, except on the first
+    stage, whose input needs no gradient, when no weight of it crossed to another placement
+    (then I has nothing to compute inside the stage). W starts from the gradients I kept
+    inside the stage (NOTE [weight pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py),
+    so it reaches O only where I did not: it then starts from the stage's output; on a rank
+    holding several stages, and on the first stage, W runs the backward again and reaches O.
+    In a micro-batch whose backward this rank splits, a B runs as its I and then its W
+    (NOTE [several stages on a rank] in sbpflow/nn/pipeline/runtime/_workers.py).
     """
     split = {a.microbatch for a in actions if a.kind in (_I, _W)}
     seen: list[tuple[str, int, int]] = []
 
+    whole_weight_pass = len({a.stage for a in actions}) > 1
+
     def reaches(kind: ActionKind, stage: int) -> bool:
-        return kind is not _I or stage > 0 or input_half_reaches_first_stage
+        input_half = stage > 0 or input_half_reaches_first_stage
+        if kind is _I:
+            return input_half
+        return kind is not _W or whole_weight_pass or stage == 0 or not input_half
 
     for a in actions:
         if a.kind is ActionKind.FORWARD:

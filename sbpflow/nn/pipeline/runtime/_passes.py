@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ._scope import Backward, MicroBatch, Phase, Scope
+from ._weight_pass import WeightPass
 
 __all__ = ["Build", "run_backward", "run_forward", "run_input_gradients", "run_weight_gradients"]
 
@@ -23,7 +24,11 @@ def run_forward(scope: Scope, build: Build) -> None:
     mb = scope.mb
     scope.phase = Phase.FORWARD
     try:
-        mb.output = build(*mb.args, **mb.kwargs)
+        if mb.saved is None:
+            mb.output = build(*mb.args, **mb.kwargs)
+        else:
+            with mb.saved.hooks():  # NOTE [saved tensors of a split micro-batch]
+                mb.output = build(*mb.args, **mb.kwargs)
     finally:
         scope.phase = Phase.IDLE
     if not mb.backwards:
@@ -85,22 +90,34 @@ def _with_pieces(inputs: Any, mb: MicroBatch) -> list[torch.Tensor]:
 
 
 def run_input_gradients(mb: MicroBatch) -> None:
-    """I: the gradients of every tensor that crossed a placement (NOTE [split backward])."""
+    """I: the gradients of every tensor that crossed a placement (NOTE [split backward]),
+    keeping what the weight pass needs (NOTE [weight pass] in _weight_pass.py)."""
     for bw in mb.backwards:
         _check_splittable(bw)
     if not mb.crossed:
         return
-    torch.autograd.grad(
-        [bw.tensor for bw in mb.backwards],
-        _with_pieces(mb.crossed, mb),  # a crossed parameter's gradient inside its stage too
-        [bw.gradient for bw in mb.backwards],
-        retain_graph=True,
-        allow_unused=True,
-    )
+    outputs = [bw.tensor for bw in mb.backwards]
+    gradients = [bw.gradient for bw in mb.backwards]
+    inputs = _with_pieces(mb.crossed, mb)  # a crossed parameter's gradient inside its stage too
+    if mb.saved is None:  # the weight pass runs the backward again
+        torch.autograd.grad(outputs, inputs, gradients, retain_graph=True, allow_unused=True)
+        return
+    weights = WeightPass(outputs, gradients, inputs)
+    with weights:
+        grads = torch.autograd.grad(
+            outputs, inputs, gradients, retain_graph=True, allow_unused=True
+        )
+    mb.weight_pass = weights if weights.complete(grads) else None
 
 
 def run_weight_gradients(mb: MicroBatch) -> None:
-    """W: the rest of the backward (the weight gradients), replaying what I moved (NOTE [split backward])."""
+    """W: the weight gradients, from the gradients the input pass kept (NOTE [weight pass]
+    in _weight_pass.py); or the rest of the backward, replaying what I moved, when it kept
+    none (NOTE [split backward])."""
+    weights, mb.weight_pass = mb.weight_pass, None
+    if weights is not None:
+        weights.run()
+        return
     retain = any(bw.retain_graph for bw in mb.backwards)
     torch.autograd.backward(
         [bw.tensor for bw in mb.backwards],

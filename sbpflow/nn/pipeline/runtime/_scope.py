@@ -34,14 +34,16 @@
 # W (the weight gradients, later). I runs ``torch.autograd.grad`` of the
 # recorded loss with respect to every tensor that crossed a placement in the
 # forward (NOTE [transfer hook] in sbpflow/boxing/_redistribute.py): the same
-# call on every rank, so the same message order. Its graph is kept. W runs the
-# loss's backward again, this time into the leaves (the parameters, and any
-# other tensor that needs a gradient); the changes of placement it crosses
-# again return the gradients I computed (kept on the autograd node) instead of
-# receiving them a second time, so W sends and receives nothing. W recomputes
-# the gradients inside the stage that I computed (the price of splitting B
-# without changing the ops' backward formulas) and adds the weight gradients.
-# Gradients and losses equal B's exactly.
+# call on every rank, so the same message order. Its graph is kept. W computes
+# the weight gradients (the parameters, and any other leaf that needs a
+# gradient) from the gradients I saw where they branch off its path (NOTE
+# [weight pass] in _weight_pass.py), running again only the nodes where weight
+# gradients branch off. On a rank holding several stages W instead runs the
+# loss's backward again, to stop between its stages (NOTE [several stages on a
+# rank] in _workers.py), and so does the first stage (_step.py); the changes of
+# placement it crosses again return the gradients I computed (kept on the
+# autograd node) instead of receiving them a second time, so W sends and
+# receives nothing either way. Gradients and losses equal B's exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from .... import _rng, _step_context
 from ...._global import GlobalTensor
 from ...._layout import Layout
 from ..schedules import Action
+from ._weight_pass import SavedTensors
 
 __all__ = ["Backward", "Driver", "MicroBatch", "Phase", "Scope", "current_action"]
 
@@ -96,6 +99,7 @@ class MicroBatch:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         context: contextvars.Context,
+        reuse: bool = False,
     ) -> None:
         self.index = index
         self.args, self.kwargs = args, kwargs
@@ -106,12 +110,19 @@ class MicroBatch:
         # (parameter, its piece) for each parameter a stage computed with on its piece
         # (NOTE [parameter pieces are leaves] in _held_here.py)
         self.pieces: list[tuple[GlobalTensor, torch.Tensor]] = []
+        self.weight_pass: Any = None  # what the input pass kept for the weight pass
+        # its saved tensors, when its weight pass reuses what the input pass computed (NOTE
+        # [saved tensors of a split micro-batch] in _weight_pass.py)
+        self.saved = SavedTensors() if reuse else None
 
     def release(self) -> None:
         """Drop the references to the micro-batch's graph (its backward is done)."""
         self.backwards = []
         self.crossed = []
         self.pieces = []
+        self.weight_pass = None
+        if self.saved is not None:
+            self.saved.clear()
 
 
 class Driver(Protocol):
@@ -163,8 +174,7 @@ class Scope:
         if self.phase is Phase.WEIGHT:
             kept = getattr(ctx, "pipeline_grad", None)
             assert kept is not None, "a weight pass crossed a placement its input pass did not"
-            ctx.pipeline_grad = None
-            return kept
+            return kept  # dropped with the graph
         grad = compute()
         if self.phase is Phase.INPUT:
             ctx.pipeline_grad = grad  # for the weight pass (NOTE [split backward])

@@ -74,14 +74,23 @@ def run_step(
     holder = next(
         (s.placement.flat_ranks[0] for s in stages if rank in s.placement.flat_ranks), None
     )
+    todo = compute_order(schedule, holder, len(microbatches))
+    held = schedule.stages_of(holder) if holder is not None else ()
+    # NOTE [weight pass] in _weight_pass.py. Several stages on a rank park their weight pass
+    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole; so does
+    # the first stage, whose input half computes nothing inside it (its input needs no
+    # gradient): its weight pass is its whole backward either way, and run whole it frees
+    # each node's saved tensors as it goes.
+    reuse = (
+        len(held) == 1 and held[0] != 0 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
+    )
     mbs = [
-        MicroBatch(k, args, kwargs, context)
+        MicroBatch(k, args, kwargs, context, reuse)
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
     ]
     recorder = Recorder(rank, stages)
-    todo = compute_order(schedule, holder, len(mbs))
-    held = schedule.stages_of(holder) if holder is not None else ()
     with (
+        _released(mbs),
         held_elsewhere.installed(stages, rank),
         held_here.installed(stages, rank),
         _collector_paused(),  # NOTE [no garbage collection inside a step]
@@ -102,12 +111,22 @@ def run_step(
                 mb.context.run(run_action, action, scopes[action.microbatch], build)
                 recorder.add(action, start, time.monotonic())
             receives.finish()
-    for mb in mbs:
-        mb.release()
     ranks = (rank,) if holder is not None else ()
     timings = tuple(recorder.timings) if holder is not None else ()
     record = StepRecord(schedule, ranks, timings, tuple(recorder.messages))
     return [mb.output for mb in mbs], record
+
+
+@contextlib.contextmanager
+def _released(mbs: Sequence[MicroBatch]) -> Iterator[None]:
+    """Release each micro-batch's graph when the block ends, also when it raises: a split
+    micro-batch's saved tensors are held by the micro-batch (NOTE [saved tensors of a split
+    micro-batch] in _weight_pass.py), in a cycle through its graph."""
+    try:
+        yield
+    finally:
+        for mb in mbs:
+            mb.release()
 
 
 @contextlib.contextmanager
