@@ -162,7 +162,8 @@ class Plan:
         With ``follow`` (the default), forward hooks box each module's inputs and outputs to
         the planned layouts, and their gradients to the planned gradient layouts, so the
         step boxes where the plan says (NOTE [following the plan] in _follow.py);
-        ``unfollow(model)`` removes them. ``follow=False`` sets the parameters only.
+        ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
+        ``follow=False`` sets the parameters only.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
