@@ -28,7 +28,7 @@ variant's first loss must equal one plain process's.
 
 Usage (from the repository root)::
 
-    python bench/auto_parallel/run.py                            # 3 runs of 6 repetitions
+    python bench/auto_parallel/run.py                            # 3 runs of 5 repetitions
     python bench/auto_parallel/run.py --runs 1 --reps 5          # a quick run
     python bench/auto_parallel/run.py --out docs/benchmarks.md   # write the docs section
 """
@@ -277,7 +277,7 @@ def _mib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=6, help="timed steps per variant and run")
+    parser.add_argument("--reps", type=int, default=5, help="timed steps per variant and run")
     parser.add_argument("--runs", type=int, default=3, help="whole runs, fresh processes each")
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
     parser.add_argument("--out", type=Path, help="write the results into this file's section")

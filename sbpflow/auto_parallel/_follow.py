@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._global import GlobalTensor, as_global_grad
 from .._layout import Layout
@@ -42,61 +43,74 @@ class _Follow(torch.autograd.Function):
     """Forward: box to the planned layout. Backward: box the gradient to the planned one."""
 
     @staticmethod
-    def forward(ctx: Any, x: GlobalTensor, dst: Layout, grad: Layout | None) -> GlobalTensor:
+    def forward(ctx: Any, x: GlobalTensor, dst: Layout, grad: Layout) -> GlobalTensor:
         ctx.grad = grad
+        # a new tensor even when nothing moves: an input returned as is would be a view of
+        # it, and the propagation's gradient hooks would go on its base (NOTE [gradient plan])
         return box_below_autograd(x, dst)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if ctx.grad is None:
-            return grad, None, None
         grad = as_global_grad(grad, "a module boundary of an auto_parallel plan")
-        if grad._layout.normalized() != ctx.grad.normalized():
+        if grad._layout.normalized() != ctx.grad:
             grad = Redistribute.apply(grad, ctx.grad)
         return grad, None, None
 
 
-def _box(x: Any, placement: Placement, boundary: Boundary) -> Any:
-    if not isinstance(x, GlobalTensor) or x.placement != placement:
-        return x
-    if tuple(x.shape) != boundary.shape:
-        return x
-    dst = Layout(placement, boundary.sbp)
-    grad = None if boundary.grad_sbp is None else Layout(placement, boundary.grad_sbp)
-    if x.requires_grad and torch.is_grad_enabled() and grad is not None:
-        return _Follow.apply(x, dst, grad)
-    return x if x._layout.normalized() == dst.normalized() else x.to_global(sbp=boundary.sbp)
+class _Boundaries:
+    """The boundaries of one model, by module, with their layouts made once."""
 
+    def __init__(self, placement: Placement, boundaries: Sequence[Boundary]) -> None:
+        self.placement = placement
+        self.tables: dict[tuple[str, str], dict[int, tuple[Boundary, Layout, Layout | None]]]
+        self.tables = {}
+        for b in boundaries:
+            dst = Layout(placement, b.sbp).normalized()
+            grad = None if b.grad_sbp is None else Layout(placement, b.grad_sbp).normalized()
+            self.tables.setdefault((b.module, b.where), {})[b.position] = (b, dst, grad)
+        # tensors a boundary made, with its layouts: the next boundary with the same ones
+        # (a module's output handed to the next module) adds nothing
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-def _boxed(value: Any, placement: Placement, table: dict[int, Boundary]) -> Any:
-    leaves, spec = pytree.tree_flatten(value)
-    if not table or len(leaves) != next(iter(table.values())).num_leaves:
-        return value
-    for position, boundary in table.items():
-        leaves[position] = _box(leaves[position], placement, boundary)
-    return pytree.tree_unflatten(leaves, spec)
+    def box(self, value: Any, key: tuple[str, str]) -> Any:
+        table = self.tables[key]
+        leaves, spec = pytree.tree_flatten(value)
+        if len(leaves) != next(iter(table.values()))[0].num_leaves:
+            return value
+        for position, (boundary, dst, grad) in table.items():
+            x = leaves[position]
+            if (
+                not isinstance(x, GlobalTensor)
+                or x.placement != self.placement
+                or tuple(x.shape) != boundary.shape
+                or self.made.get(x) == (dst, grad)
+            ):
+                continue
+            if x.requires_grad and torch.is_grad_enabled() and grad is not None:
+                x = _Follow.apply(x, dst, grad)
+            elif x._layout.normalized() != dst:
+                x = x.to_global(sbp=dst.sbp)
+            self.made[x] = (dst, grad)
+            leaves[position] = x
+        return pytree.tree_unflatten(leaves, spec)
 
 
 def follow(model: torch.nn.Module, placement: Placement, boundaries: Sequence[Boundary]) -> None:
     """Install the boundary hooks on ``model``'s modules (replacing earlier ones)."""
     unfollow(model)
-    tables: dict[tuple[str, str], dict[int, Boundary]] = {}
-    for b in boundaries:
-        tables.setdefault((b.module, b.where), {})[b.position] = b
+    state = _Boundaries(placement, boundaries)
     handles = []
     for name, module in model.named_modules():
-        given = tables.get((name, "input"))
-        if given:
+        if (name, "input") in state.tables:
 
-            def pre(_m: Any, args: Any, kwargs: Any, table: dict = given) -> Any:
-                return _boxed((args, kwargs), placement, table)
+            def pre(_m: Any, args: Any, kwargs: Any, key: tuple = (name, "input")) -> Any:
+                return state.box((args, kwargs), key)
 
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        returned = tables.get((name, "output"))
-        if returned:
+        if (name, "output") in state.tables:
 
-            def post(_m: Any, _a: Any, out: Any, table: dict = returned) -> Any:
-                return _boxed(out, placement, table)
+            def post(_m: Any, _a: Any, out: Any, key: tuple = (name, "output")) -> Any:
+                return state.box(out, key)
 
             handles.append(module.register_forward_hook(post))
     model.__dict__[_HANDLES] = handles
