@@ -47,6 +47,8 @@ class _Follow(torch.autograd.Function):
         ctx.grad = grad
         # a new tensor even when nothing moves: an input returned as is would be a view of
         # it, and the propagation's gradient hooks would go on its base (NOTE [gradient plan])
+        if x._layout.normalized() == dst:
+            return GlobalTensor(x._local, x._layout, x.shape)
         return box_below_autograd(x, dst)
 
     @staticmethod
