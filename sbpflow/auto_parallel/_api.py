@@ -368,10 +368,10 @@ def _boundaries(
         for call in calls:
             entries = []
             for where, refs in zip(("input", "output"), call, strict=True):
-                for position, ref in enumerate(refs):
-                    laid = None if ref is None else layouts(ref, where, module)
-                    if laid is not None:
-                        shape = graph.nodes[ref[0]].out_shapes[ref[1]]  # type: ignore[index]
+                for position, tensor in enumerate(refs):
+                    laid = None if tensor is None else layouts(tensor, where, module)
+                    if tensor is not None and laid is not None:
+                        shape = graph.nodes[tensor[0]].out_shapes[tensor[1]]
                         entries.append(
                             Boundary(module, where, position, len(refs), shape, laid[0], laid[1])
                         )
