@@ -9,8 +9,9 @@ own: the forward is captured on meta tensors, no data and no process group, and 
 of the whole step are chosen by an integer program priced by the boxing planner's costs.
 With the batch pinned broadcast (``fixed={0: broadcast}``) the plan is Megatron's: ``up``
 split by output features, ``down`` by input features, the rest broadcast. Rank 0 prints the
-plan; then every rank applies it, trains 5 SGD steps, and compares the parameters with the
-same model trained in one process.
+plan; then every rank applies it (the parameters laid out, and the module boundaries hooked
+so that the step boxes where the plan says), trains 5 SGD steps, and compares the parameters
+with the same model trained in one process.
 """
 
 from __future__ import annotations

@@ -4,14 +4,17 @@
 tensors (no data, no process group), prices every op's candidate strategies and the boxing
 between them, and solves for the cheapest whole-step choice under an optional memory budget.
 It returns a ``Plan``: pure data, the same on every rank and machine. ``plan.apply(model)``
-converts the parameters to the planned layouts. See docs/auto-parallel.md.
+converts the parameters to the planned layouts and hooks the module boundaries so the step
+boxes where the plan says. See docs/auto-parallel.md.
 """
 
 from ._api import auto_parallel
 from ._costs import ComputeModel
-from ._plan import Collective, Memory, OpChoice, ParamLayout, Plan
+from ._follow import unfollow
+from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
 
 __all__ = [
+    "Boundary",
     "Collective",
     "ComputeModel",
     "Memory",
@@ -19,4 +22,5 @@ __all__ = [
     "ParamLayout",
     "Plan",
     "auto_parallel",
+    "unfollow",
 ]

@@ -13,9 +13,9 @@ from ..placement import Placement
 from ..sbp import NdSbp, normalize, sbp_str
 from ._capture import Graph, capture
 from ._costs import ComputeModel, Prices, local_bytes, optimizer_states
-from ._plan import Collective, Memory, OpChoice, ParamLayout, Plan
+from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
 from ._solve import Problem, Solution, node_bytes, output_seconds, solve
-from ._strategies import Strategy, strategies, unsupported
+from ._strategies import Strategy, is_view, strategies, unsupported
 
 __all__ = ["auto_parallel"]
 
@@ -153,14 +153,35 @@ def _untie(reps: list[int], node: int) -> None:
 
 
 def _collectives(
-    steps: tuple[BoxingStep, ...], phase: str, shape: tuple[int, ...], tensor: str
+    steps: tuple[BoxingStep, ...],
+    phase: str,
+    shape: tuple[int, ...],
+    tensor: str,
+    parameter_gradient: bool = False,
 ) -> list[Collective]:
     return [
         Collective(
-            phase, s.op, s.axes, s.bytes_per_rank, s.cost, shape, str(s.src), str(s.dst), tensor
+            phase,
+            s.op,
+            s.axes,
+            s.bytes_per_rank,
+            s.cost,
+            shape,
+            str(s.src),
+            str(s.dst),
+            tensor,
+            parameter_gradient,
         )
         for s in steps
     ]
+
+
+def _shows_parameter(graph: Graph, n: int) -> bool:
+    """Whether node ``n`` is a parameter or a view of one."""
+    node = graph.nodes[n]
+    while is_view(node) and node.inputs:
+        node = graph.nodes[node.inputs[0][0]]
+    return node.kind == "param"
 
 
 def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
@@ -199,7 +220,9 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                     continue
                 target = chosen(u).out_grads[o]
             steps = prices.boxing(shape, dtype, grad_layout, target)[1]
-            collectives += _collectives(steps, "backward", shape, name_of(u) + " gradient")
+            collectives += _collectives(
+                steps, "backward", shape, name_of(u) + " gradient", _shows_parameter(graph, u)
+            )
         boxing_seconds += sum(c.seconds for c in collectives)
         act = node_bytes(node, strategy, prices, problem.optimizer_states)
         activations += act
@@ -244,7 +267,11 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                 target = chosen(node.index).out_grads[o]
                 steps = prices.boxing(shape, dtype, summed, target)[1]
                 producer_collectives += _collectives(
-                    steps, "backward", shape, name_of(node.index) + " summed gradient"
+                    steps,
+                    "backward",
+                    shape,
+                    name_of(node.index) + " summed gradient",
+                    _shows_parameter(graph, node.index),
                 )
     boxing_seconds += sum(c.seconds for c in producer_collectives)
     params = []
@@ -267,6 +294,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         solution.seconds,
     )
     return Plan(
+        boundaries=_boundaries(problem, solution, tuple(output_sbp)),
         placement=prices.placement,
         params=tuple(params),
         input_sbp=tuple(chosen(n).outputs[0] for n in graph.input_nodes),
@@ -283,3 +311,75 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         num_tied=sum(1 for n in graph.nodes if n.tie >= 0),
         solve_seconds=solution.solve_seconds,
     )
+
+
+def _boundaries(
+    problem: Problem, solution: Solution, output_sbp: tuple[NdSbp, ...]
+) -> tuple[Boundary, ...]:
+    """Each module input and output the plan lays out (NOTE [following the plan]).
+
+    A tensor read by one op is boxed to that op's input layout, its gradient to the layout
+    its producer needs; one read by several, to the shared layout it is spread from (its
+    gradient, at a module's input, to the layout the readers' gradients are summed in; at
+    the producing module's output, to the producer's); a step output, to the layout it is
+    handed to the loss in. A module called several times with different layouts gets none.
+    """
+    graph = problem.graph
+
+    def chosen(n: int) -> Strategy:
+        rep = problem.reps[n]
+        return problem.choices[rep][solution.chosen[rep]]
+
+    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for node in graph.nodes:
+        for i, ref in enumerate(node.inputs):
+            readers.setdefault(ref, []).append((node.index, i))
+    outputs = {ref: k for k, ref in enumerate(graph.outputs)}
+
+    def layouts(ref: tuple[int, int], where: str, module: str) -> tuple[NdSbp, NdSbp | None] | None:
+        u, o = ref
+        node = graph.nodes[u]
+        if node.kind not in ("op", "input"):
+            return None
+        strategy = chosen(u)
+        key = (problem.reps[u], o)
+        grad = strategy.out_grads[o]
+        if not (node.requires_grad and node.out_dtypes[o].is_floating_point):
+            grad = None  # type: ignore[assignment]
+        found = readers.get(ref, [])
+        if key in solution.distribute:
+            if where == "output":
+                return solution.distribute[key], grad
+            summed = solution.accumulate.get(key, grad) if grad is not None else None
+            inside = [(v, i) for v, i in found if _within(graph.nodes[v].module, module)]
+            if len(inside) == 1:  # the module's one reader: straight to its layout
+                return chosen(inside[0][0]).inputs[inside[0][1]], summed
+            return solution.distribute[key], summed
+        if len(found) == 1:
+            v, i = found[0]
+            return chosen(v).inputs[i], grad
+        if ref in outputs:
+            return output_sbp[outputs[ref]], grad
+        return strategy.outputs[o], None
+
+    found: list[Boundary] = []
+    for module, calls in graph.module_io.items():
+        per_call = []
+        for call in calls:
+            entries = []
+            for where, refs in zip(("input", "output"), call, strict=True):
+                for position, tensor in enumerate(refs):
+                    laid = None if tensor is None else layouts(tensor, where, module)
+                    if tensor is not None and laid is not None:
+                        shape = graph.nodes[tensor[0]].out_shapes[tensor[1]]
+                        entries.append(
+                            Boundary(module, where, position, len(refs), shape, laid[0], laid[1])
+                        )
+            per_call.append(tuple(entries))
+        if per_call and all(entries == per_call[0] for entries in per_call):
+            found += per_call[0]
+    return tuple(found)
+
+
+def _within(path: str, module: str) -> bool:
+    return not module or path == module or path.startswith(module + ".")

@@ -59,12 +59,17 @@ class Node:
     tie: int = -1  # the node whose decision this one shares (itself when -1)
 
 
+Refs = tuple[tuple[int, int] | None, ...]  # per leaf of a module's arguments / output
+
+
 @dataclass
 class Graph:
     nodes: list[Node]
     outputs: tuple[tuple[int, int], ...]  # the step's output tensors (node, output index)
     param_nodes: dict[str, int]  # parameter name -> node
     input_nodes: tuple[int, ...]
+    # module path -> per call, the tensors it was given and returned (NOTE [module boundaries])
+    module_io: dict[str, list[tuple[Refs, Refs]]] = field(default_factory=dict)
 
 
 # -- recording ------------------------------------------------------------------------
@@ -78,7 +83,15 @@ class _Recorder:
         self.module_stack: list[str] = [""]
         self.block_calls: dict[str, int] = {}
         self.block_stack: list[tuple[str, int] | None] = [None]
+        self.module_io: dict[str, list[tuple[Refs, Refs]]] = {}
         self.paused = 0
+
+    def refs(self, value: Any) -> Refs:
+        """The node output each tensor leaf of ``value`` is (None: not a tensor, or unseen)."""
+        return tuple(
+            self.produced.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            for leaf in pytree.tree_leaves(value)
+        )
 
     def leaf(self, kind: str, name: str, tensor: torch.Tensor) -> int:
         node = Node(
@@ -193,7 +206,8 @@ def _module_hooks(model: torch.nn.Module, recorder: _Recorder) -> Iterator[None]
     handles = []
     for name, module in model.named_modules():
 
-        def pre(_m: Any, _a: Any, name: str = name) -> None:
+        def pre(_m: Any, args: Any, kwargs: Any, name: str = name) -> None:
+            recorder.module_io.setdefault(name, []).append((recorder.refs((args, kwargs)), ()))
             recorder.module_stack.append(name)
             block = recorder.block_stack[-1]
             if block is None and _INDEX.search(name):
@@ -202,11 +216,13 @@ def _module_hooks(model: torch.nn.Module, recorder: _Recorder) -> Iterator[None]
                 block = (name, calls)
             recorder.block_stack.append(block)
 
-        def post(_m: Any, _a: Any, _o: Any) -> None:
+        def post(_m: Any, _a: Any, out: Any, name: str = name) -> None:
             recorder.module_stack.pop()
             recorder.block_stack.pop()
+            given, _ = recorder.module_io[name][-1]
+            recorder.module_io[name][-1] = (given, recorder.refs(out))
 
-        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, always_call=True))
     try:
         yield
@@ -266,7 +282,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> G
         )
     nodes = recorder.nodes
     _tie_blocks(nodes)
-    return Graph(nodes, outputs, param_nodes, tuple(input_nodes))
+    return Graph(nodes, outputs, param_nodes, tuple(input_nodes), recorder.module_io)
 
 
 def _output_tensors(out: Any) -> list[torch.Tensor]:

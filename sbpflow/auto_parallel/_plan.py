@@ -17,7 +17,7 @@ from ..boxing.plan import _fmt_bytes, _fmt_seconds
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize, sbp_str
 
-__all__ = ["Collective", "Memory", "OpChoice", "ParamLayout", "Plan"]
+__all__ = ["Boundary", "Collective", "Memory", "OpChoice", "ParamLayout", "Plan"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Collective:
     src: str
     dst: str
     tensor: str  # what is boxed: "fc1.weight", "input0", or the producing op
+    # a parameter's gradient (or a view of it: a linear's transposed weight), which
+    # data-parallel buckets may reduce together with others in one collective
+    parameter_gradient: bool = False
 
     @property
     def is_collective(self) -> bool:
@@ -72,6 +75,25 @@ class OpChoice:
 
 
 @dataclass(frozen=True)
+class Boundary:
+    """A tensor a module is given or returns, with the layouts the plan gives it there.
+
+    ``position`` counts the tensor leaves of the module's ``(args, kwargs)`` (``where ==
+    "input"``) or of its output, flattened by ``torch.utils._pytree``; ``num_leaves`` is how
+    many there were when the step was captured. ``grad_sbp`` is the layout its gradient is
+    handed back in (None: it gets none). NOTE [following the plan] in _follow.py.
+    """
+
+    module: str
+    where: str  # "input" or "output"
+    position: int
+    num_leaves: int
+    shape: tuple[int, ...]
+    sbp: NdSbp
+    grad_sbp: NdSbp | None
+
+
+@dataclass(frozen=True)
 class Memory:
     """Predicted bytes per rank, all held at once (an upper bound on the peak)."""
 
@@ -106,6 +128,8 @@ class Plan:
     num_constraints: int
     num_tied: int  # nodes sharing a repeated block's decisions
     solve_seconds: float = field(compare=False)
+    # where apply() boxes module inputs and outputs to the planned layouts
+    boundaries: tuple[Boundary, ...] = ()
 
     @property
     def step_seconds(self) -> float:
@@ -127,13 +151,19 @@ class Plan:
         return found + list(self.output_collectives) + list(self.producer_collectives)
 
     # -- applying -----------------------------------------------------------------
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+    def apply(self, model: torch.nn.Module, *, follow: bool = True) -> torch.nn.Module:
         """Convert ``model``'s parameters in place to the planned layouts; returns ``model``.
 
         Every rank must hold the full logical model (as after the same seed): each plain
         parameter is read as the whole logical value and laid out as planned, buffers stay
         broadcast. This goes through ``Module.to_global``, so each parameter stays the same
         object: an optimizer made before ``apply`` keeps working.
+
+        With ``follow`` (the default), forward hooks box each module's inputs and outputs to
+        the planned layouts, and their gradients to the planned gradient layouts, so the
+        step boxes where the plan says (NOTE [following the plan] in _follow.py);
+        ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
+        ``follow=False`` sets the parameters only.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
@@ -146,6 +176,10 @@ class Plan:
             )
         whole = (broadcast,) * self.placement.ndim
         model.to_global(self.placement, lambda name, _t: planned.get(name, whole))  # type: ignore[operator]
+        if follow:
+            from ._follow import follow as install
+
+            install(model, self.placement, self.boundaries)
         return model
 
     # -- inspecting -----------------------------------------------------------------

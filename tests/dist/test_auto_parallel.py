@@ -5,9 +5,10 @@ Each rank plans alone (no process group is touched while planning), applies the 
 copy of the single-process reference, feeds the batch in ``plan.input_sbp`` and trains 3 SGD
 steps; the reference trains the plain copy on the whole batch in the same process.
 
-The plan fixes the parameters' and inputs' layouts; the ops in between are still laid out by
-sbpflow's own propagation at run time, which may box differently from the plan's op
-strategies (the plan's collectives are a prediction, not yet what runs).
+``apply`` also hooks the module boundaries (NOTE [following the plan]), so the step boxes
+where the plan says: the collectives that ran, recorded by ``sbpflow.boxing.trace()`` from
+outside the plan, equal the plan's ``collectives()`` on every step, where sbpflow's own
+propagation alone (``apply(follow=False)``) runs other ones.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+def _ran(forward: Any, backward: Any) -> dict[tuple[str, str], int]:
+    ran = Counter({("forward", op): n for op, n in forward.collectives().items()})
+    return dict(ran + Counter({("backward", op): n for op, n in backward.collectives().items()}))
+
+
 def plan_and_train_job(case: str) -> dict[str, Any]:
     """``megatron``: bench/tp's blocks, the batch pinned broadcast; ``data``: small blocks and
     a wide batch, nothing pinned."""
@@ -53,6 +59,12 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before apply: the same parameters
     assert plan.apply(model) is model
     gx = x.to_global(placement, broadcast).to_global(sbp=plan.input_sbp[0])
+    unfollowed = plan.apply(copy.deepcopy(reference), follow=False)  # propagation alone
+    with sbpflow.boxing.trace() as forward:
+        loss = unfollowed(gx).pow(2).mean()
+    with sbpflow.boxing.trace() as backward:
+        loss.backward()
+    propagated = _ran(forward, backward)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses, ran = [], []
     for _ in range(_STEPS):
@@ -67,7 +79,7 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append((loss.item(), want.item()))
-        ran.append((dict(forward.collectives()), dict(backward.collectives())))
+        ran.append(_ran(forward, backward))
     errors = {}
     for (name, got), want_p in zip(model.named_parameters(), reference.parameters(), strict=True):
         whole = got.to_global(sbp=(broadcast,) * len(got.sbp)).to_local().detach()
@@ -75,6 +87,10 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         if error > _TOL:
             errors[name] = error
     predicted = Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective)
+    # a parameter's gradient reduced alone in the plan; buckets may fuse several (step 2 on)
+    parameter_reductions = sum(
+        1 for c in plan.collectives() if c.parameter_gradient and c.op == "all_reduce"
+    )
     return {
         "layouts": {n: sbp_str(s) for n, s in plan.param_sbp.items()},
         "input": sbp_str(plan.input_sbp[0]),
@@ -82,7 +98,9 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         "losses": losses,
         "errors": errors,
         "ran": ran,
+        "propagated": propagated,
         "predicted": dict(predicted),
+        "parameter_reductions": parameter_reductions,
     }
 
 
@@ -98,10 +116,28 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
+def _assert_follows(got: dict[str, Any]) -> None:
+    """The first step runs exactly the plan's collectives. Later steps too, except that the
+    gradient buckets may reduce several parameters' gradients in one all_reduce."""
+    predicted = got["predicted"]
+    assert got["ran"][0] == predicted, (got["ran"][0], predicted)
+    key = ("backward", "all_reduce")
+    alone = predicted.get(key, 0) - got["parameter_reductions"]
+    for step, ran in enumerate(got["ran"][1:], 1):
+        others = {k: n for k, n in ran.items() if k != key}
+        assert others == {k: n for k, n in predicted.items() if k != key}, (step, ran, predicted)
+        low = alone + min(1, got["parameter_reductions"])
+        assert low <= ran.get(key, 0) <= predicted.get(key, 0), (step, ran, predicted)
+
+
 def test_megatron_plan_trains_like_one_process() -> None:
     """The batch pinned broadcast: the plan is Megatron's layout (up split(0), down
-    split(1), the rest broadcast) and 3 steps equal one process."""
+    split(1), the rest broadcast) and 3 steps equal one process. The plan reduce-scatters
+    the blocks' outputs and all-gathers them where a block reads them (sequence parallel)
+    where propagation alone all-reduces: each step runs exactly the plan's collectives."""
     got = _check(get_pool(2).run(plan_and_train_job, "megatron"))
+    assert got["propagated"] != got["predicted"], got  # the two disagree here
+    _assert_follows(got)
     megatron = {name: "B" for name in got["layouts"]}
     for name in megatron:
         if name.endswith(("up.weight", "up.bias")):
@@ -117,4 +153,5 @@ def test_data_parallel_plan_trains_like_one_process() -> None:
     gradients' all_reduces ran)."""
     got = _check(get_pool(2).run(plan_and_train_job, "data"))
     assert set(got["layouts"].values()) == {"B"} and got["input"] == "S(0)", got
-    assert all(backward.get("all_reduce", 0) > 0 for _, backward in got["ran"]), got["ran"]
+    _assert_follows(got)
+    assert got["predicted"].get(("backward", "all_reduce"), 0) > 0, got["predicted"]

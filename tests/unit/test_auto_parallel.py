@@ -317,3 +317,28 @@ def test_a_forward_that_reads_values_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="reads a tensor's value"):
         sbpflow.auto_parallel(ReadsData(), sbpflow.placement("cpu", [0, 1]), torch.randn(2, 4))
+
+
+def test_boundaries_box_a_blocks_output_where_the_plan_reads_it() -> None:
+    """bench/tp's 2 MLP blocks on 2 ranks, batch broadcast: each block's ``down`` output is a
+    partial sum, and its boundary boxes it to the layout the block's residual add reads it
+    in (never partial: the add would otherwise sum a partial with a whole tensor), with the
+    gradient handed back whole to the row-parallel matmul. Installing the boundary hooks on
+    a model and ``unfollow`` leave no hook behind; a plan is compared with itself only."""
+    from sbpflow.auto_parallel import unfollow
+    from sbpflow.auto_parallel._follow import follow
+
+    model = _mlp_model(blocks=2)
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
+    found = {(b.module, b.where): b for b in plan.boundaries if b.position == 0}
+    for block in ("0", "1"):
+        down = found[(f"{block}.down", "output")]
+        add = [op for op in plan.ops if op.module == block and "add" in op.op]
+        assert down.sbp == add[-1].inputs[1] and down.sbp != (sbpflow.sbp.partial_sum,)
+        assert down.grad_sbp == (B,) and down.shape == (512, 256)
+    follow(model, placement, plan.boundaries)
+    hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert hooked == len({(b.module, b.where) for b in plan.boundaries})
+    unfollow(model)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -1,0 +1,353 @@
+"""Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
+
+One run spawns 2 gloo ranks on this machine. Every rank plans with
+``sbpflow.auto_parallel`` (default constants, AdamW state counted) and trains with AdamW,
+one step at a time (zero_grad, forward, mean-square loss of the output, backward,
+optimizer.step). Four comparisons, each its variants interleaved:
+
+- ``mlp``: bench/tp's 4 residual blocks ``x + down(GELU(up(LayerNorm(x))))`` (256 -> 1024 ->
+  256, 512 rows), the batch fixed broadcast: the plan (``plan.apply``, its module boundaries
+  followed) vs sbpflow's hand Megatron layout (``Module.to_global``, propagation) vs DTensor
+  ``parallelize_module`` (``up`` ColwiseParallel, ``down`` RowwiseParallel).
+- ``llama``: a Hugging Face Llama (hidden 256, intermediate 1024, 4 layers, 8 heads over 4
+  key/value heads, vocabulary 1024), a batch of 2 x 128 tokens fixed broadcast: the plan vs
+  sbpflow with torchtitan's layout (q, k, v, gate, up split by output features; o, down by
+  input features; the rest broadcast) vs DTensor with torchtitan's plan (Colwise q, k, v,
+  gate, up; Rowwise o, down).
+- ``dp``: 4 blocks 64 -> 256 -> 64 and 4096 rows, nothing fixed, no budget: the plan vs hand
+  data parallelism (parameters broadcast, batch ``split(0)``).
+- ``fsdp``: the same model with a budget below the replicated plan's predicted footprint
+  (45% of its parameter, gradient and optimizer-state bytes taken off: sharding them all over 2 ranks saves 50%): the plan vs sbpflow
+  ``fully_shard`` (each block, then the root; batch ``split(0)``).
+
+Measured per variant: the median step (the slower rank's) and the bytes one rank holds in
+parameters, gradients and optimizer state after a step (local pieces, the larger rank's).
+Activations are not measured: the predicted peak (which counts every activation autograd
+may keep) is shown next to the measured state bytes and the predicted state bytes. Every
+variant's first loss must equal one plain process's.
+
+Usage (from the repository root)::
+
+    python bench/auto_parallel/run.py                            # 3 runs of 5 repetitions
+    python bench/auto_parallel/run.py --runs 1 --reps 5          # a quick run
+    python bench/auto_parallel/run.py --out docs/benchmarks.md   # write the docs section
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import sbpflow  # noqa: E402
+from bench._ranks import interleaved_step_times, join_world  # noqa: E402
+from bench._report import machine, write_section  # noqa: E402
+from sbpflow._global import GlobalTensor  # noqa: E402
+from sbpflow.sbp import broadcast, split  # noqa: E402
+from sbpflow.testing import free_port  # noqa: E402
+
+WORLD = 2
+WARMUP = 2
+PLAN = "auto_parallel plan"
+START, END = "<!-- bench:auto_parallel:start -->", "<!-- bench:auto_parallel:end -->"
+CASES = ("mlp", "llama", "dp", "fsdp")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, inner)
+        self.down = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _mlp(dim: int, inner: int, rows: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(dim, inner) for _ in range(4)])
+    return model, torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
+
+
+def _llama() -> tuple[nn.Module, torch.Tensor]:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def megatron_mlp(name: str, _t: torch.Tensor) -> Any:
+    if name.endswith(("up.weight", "up.bias")):
+        return split(0)
+    return split(1) if name.endswith("down.weight") else broadcast
+
+
+def torchtitan_llama(name: str, _t: torch.Tensor) -> Any:
+    module = name.split(".")[-2]
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return split(0)
+    return split(1) if module in ("o_proj", "down_proj") else broadcast
+
+
+def _output(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _step_fn(model: nn.Module, inputs: Any) -> Callable[[], torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = _output(model(inputs)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step.optimizer = opt  # type: ignore[attr-defined]
+    step.model = model  # type: ignore[attr-defined]
+    return step
+
+
+def _state_bytes(step: Any) -> float:
+    """Bytes this rank holds in parameters, gradients and optimizer state (local pieces)."""
+
+    def local(t: torch.Tensor) -> float:
+        if isinstance(t, (GlobalTensor, DTensor)):
+            t = t.to_local()
+        return float(t.numel() * t.element_size())
+
+    total = 0.0
+    for p in step.model.parameters():
+        total += local(p.detach())
+        if p.grad is not None:
+            total += local(p.grad)
+    for state in step.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                total += local(value)
+    return total
+
+
+def _dtensor(model: nn.Module, plan: dict[str, Any]) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
+
+
+def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
+    """The step of each variant, and what to report: the plan's predictions, the losses."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    placement = sbpflow.placement("cpu", list(range(WORLD)))
+    whole = placement, broadcast
+    if case == "llama":
+        base, x = _llama()
+    elif case == "mlp":
+        base, x = _mlp(256, 1024, 512)
+    else:
+        base, x = _mlp(64, 256, 4096)
+    budget = None
+    fixed = {0: broadcast} if case in ("mlp", "llama") else None
+    if case == "fsdp":
+        replicated = sbpflow.auto_parallel(base, placement, x)
+        state = replicated.memory.peak - replicated.memory.activations
+        budget = replicated.memory.peak - 0.45 * state  # under the replicated footprint
+    plan = sbpflow.auto_parallel(base, placement, x, fixed=fixed, memory_budget=budget)
+    planned = plan.apply(copy.deepcopy(base))
+    gx = x.to_global(*whole).to_global(sbp=plan.input_sbp[0])
+    steps = {PLAN: _step_fn(planned, gx)}
+    if case == "mlp":
+        hand = copy.deepcopy(base).to_global(*whole).to_global(placement, megatron_mlp)
+        steps["sbpflow hand Megatron"] = _step_fn(hand, x.to_global(*whole))
+        tp = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        dt = copy.deepcopy(base)
+        for block in dt:
+            _dtensor(block, tp)
+        steps["DTensor parallelize_module"] = _step_fn(dt, x)
+    elif case == "llama":
+        hand = copy.deepcopy(base).to_global(*whole).to_global(placement, torchtitan_llama)
+        steps["sbpflow hand torchtitan layout"] = _step_fn(hand, x.to_global(*whole))
+        dt = copy.deepcopy(base)
+        for layer in dt.model.layers:
+            _dtensor(
+                layer,
+                {
+                    "self_attn.q_proj": ColwiseParallel(),
+                    "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(),
+                    "self_attn.o_proj": RowwiseParallel(),
+                    "mlp.gate_proj": ColwiseParallel(),
+                    "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(),
+                },
+            )
+        steps["DTensor parallelize_module (torchtitan plan)"] = _step_fn(dt, x)
+    elif case == "dp":
+        hand = copy.deepcopy(base).to_global(*whole)
+        steps["sbpflow hand data parallel"] = _step_fn(
+            hand, x.to_global(*whole).to_global(sbp=split(0))
+        )
+    else:
+        from sbpflow.nn.parallel import fully_shard
+
+        sharded = copy.deepcopy(base)
+        for block in sharded:
+            fully_shard(block, placement)
+        fully_shard(sharded, placement)
+        steps["sbpflow fully_shard"] = _step_fn(
+            sharded, x.to_global(*whole).to_global(sbp=split(0))
+        )
+    want = float(_output(base(x)).pow(2).mean())
+    losses = {name: float(step()) for name, step in steps.items()}  # step 1 of each, untimed
+    memory = plan.memory
+    record = {
+        "want": want,
+        "losses": losses,
+        "predicted_ms": plan.step_seconds * 1e3,
+        "predicted_peak": memory.peak,
+        "predicted_state": memory.parameters + memory.gradients + memory.optimizer_state,
+        "budget": budget,
+        "layouts": sorted({str(s) for s in plan.param_sbp.values()}),
+    }
+    return steps, record
+
+
+def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> None:
+    join_world(rank, WORLD, port)
+    warnings.filterwarnings("ignore")
+    results = {}
+    for case in cases:
+        steps, record = _variants(case)
+        times, _cpu = interleaved_step_times(steps, WARMUP, reps)
+        held = {}
+        for name, step in steps.items():
+            mine = torch.tensor([_state_bytes(step)], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            held[name] = mine.item()
+        record["held"] = held
+        results[case] = (times, record)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+
+
+def _one_run(cases: list[str], reps: int) -> dict[str, Any]:
+    """One spawn of the ranks, every case in it."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _worker, args=(free_port(), cases, reps, queue), nprocs=WORLD, start_method="spawn"
+    )
+    return queue.get()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="timed steps per variant and run")
+    parser.add_argument("--runs", type=int, default=3, help="whole runs, fresh processes each")
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    parser.add_argument("--out", type=Path, help="write the results into this file's section")
+    args = parser.parse_args()
+    load_start = os.getloadavg()[0]
+    lines: list[str] = []
+    runs = [_one_run(args.cases, args.reps) for _ in range(args.runs)]
+    for case in args.cases:
+        medians: dict[str, list[float]] = {}
+        record: dict[str, Any] = {}
+        for results in runs:
+            times, record = results[case]
+            for name, loss in record["losses"].items():
+                want = record["want"]
+                assert abs(loss - want) <= 1e-4 * max(1.0, abs(want)), (case, name, loss, want)
+            for name, ms in times.items():
+                medians.setdefault(name, []).append(statistics.median(ms))
+        step = {name: statistics.median(ms) for name, ms in medians.items()}
+        best_hand = min(v for k, v in step.items() if k != PLAN)
+        rows = [
+            f"### {case}",
+            "",
+            f"Plan: parameter layouts {', '.join(record['layouts'])}; predicted step "
+            f"{record['predicted_ms']:.1f} ms, predicted peak {_mib(record['predicted_peak'])} "
+            f"MiB per rank, of which parameters, gradients and optimizer state "
+            f"{_mib(record['predicted_state'])} MiB"
+            + (f"; budget {_mib(record['budget'])} MiB." if record["budget"] else "."),
+            "",
+            "| variant | median step ms (median of runs) | each run's median ms | / plan | "
+            "measured parameter + gradient + optimizer state MiB per rank |",
+            "|---|---|---|---|---|",
+        ]
+        for name, ms in step.items():
+            each = ", ".join(f"{m:.0f}" for m in medians[name])
+            rows.append(
+                f"| {name} | {ms:.1f} | {each} | {ms / step[PLAN]:.2f} | "
+                f"{_mib(record['held'][name])} |"
+            )
+        rows += [
+            "",
+            f"Plan over the best hand variant: {step[PLAN] / best_hand:.2f}x; predicted over "
+            f"measured step: {record['predicted_ms'] / step[PLAN]:.2f}x; predicted over measured "
+            f"state bytes: {record['predicted_state'] / record['held'][PLAN]:.2f}x.",
+            "",
+        ]
+        print("\n".join(rows), flush=True)
+        lines += rows
+    load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end (1 min)"
+    print(f"load average {load}")
+    if args.out:
+        text = [
+            START,
+            "## Auto-parallel: the plan vs hand-written layouts",
+            "",
+            f"Machine: `{machine()}`; {WORLD} gloo ranks on this host, one thread each. The "
+            "machine is shared with other jobs and noisy: step times move by tens of percent "
+            "between runs.",
+            "",
+            f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
+            f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
+            "the output. See bench/auto_parallel/run.py for the cases.",
+            "",
+            f"Reproduce: `python bench/auto_parallel/run.py --runs {args.runs} --reps "
+            f"{args.reps} --out {args.out}`",
+            "",
+            *lines,
+            END,
+        ]
+        write_section(args.out, "\n".join(text), START, END)
+
+
+if __name__ == "__main__":
+    main()
