@@ -214,7 +214,8 @@ def _floor_step(base: nn.Module, ids: torch.Tensor) -> Callable[[], None]:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= WORLD
-        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        pieces = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(pieces, grads, strict=True)])
         optimizer.step()
 
     return step
