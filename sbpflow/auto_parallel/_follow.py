@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -32,7 +32,9 @@ from .._global import GlobalTensor, as_global_grad
 from .._layout import Layout
 from ..boxing._redistribute import Redistribute, box_below_autograd
 from ..placement import Placement
-from ._plan import Boundary
+
+if TYPE_CHECKING:  # _plan imports this module when a plan is applied
+    from ._plan import Boundary
 
 __all__ = ["follow", "unfollow"]
 

@@ -117,13 +117,13 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _assert_follows(got: dict[str, Any]) -> None:
-    """The first step runs exactly the plan's collectives. Later steps too, except that the
-    gradient buckets may reduce several parameters' gradients in one all_reduce."""
+    """Every step runs exactly the plan's collectives, except that the gradient buckets may
+    reduce several parameters' gradients in one all_reduce (the first backward included:
+    data parallelism buckets it too)."""
     predicted = got["predicted"]
-    assert got["ran"][0] == predicted, (got["ran"][0], predicted)
     key = ("backward", "all_reduce")
     alone = predicted.get(key, 0) - got["parameter_reductions"]
-    for step, ran in enumerate(got["ran"][1:], 1):
+    for step, ran in enumerate(got["ran"]):
         others = {k: n for k, n in ran.items() if k != key}
         assert others == {k: n for k, n in predicted.items() if k != key}, (step, ran, predicted)
         low = alone + min(1, got["parameter_reductions"])
