@@ -25,7 +25,10 @@ its ``Mesh``: NOTE [meshes] in _mesh.py).
 # which the ranks reach one after another), and a rank that waited for them
 # there could wait for a rank that waits for it. So of two ranks that disagree,
 # the later one raises at once; the earlier one raises when it next meets the
-# later one, and never runs on a group made with the wrong peers. Group
+# later one, and never runs on a group made with the wrong peers. A member that
+# went on to the group's rendezvous while another member raised there waits for
+# it until the timeout, then compares again (the later rank's entry is there by
+# then) and raises the same named error instead of torch's store timeout. Group
 # creation is rare (once per group), so the store round trips cost nothing in a
 # step.
 """
@@ -110,8 +113,20 @@ def new_group(backend: str, ranks: Sequence[int], lane: Hashable = None) -> dist
     """The one place sbpflow creates a process group: after the ranks agree on it (NOTE
     [group agreement]). ``lane`` names a group of its own for ranks that have one already
     (a transfer lane, the checks' control group, the checkpoints' storage group)."""
-    _agree(_describe(backend, ranks, lane), ranks)
-    return owned_group(ranks, backend)
+    group = _describe(backend, ranks, lane)
+    n = _agree(group, ranks)
+    try:
+        return owned_group(ranks, backend)
+    except (RuntimeError, OSError) as error:  # torch's rendezvous of the group timed out
+        # A member that compared after another rank published a different group raised
+        # before this rendezvous: look again, now that its entry is there.
+        if n is not None:
+            _check_same(n, group)
+        raise CollectiveError(
+            f"sbpflow: rank {dist.get_rank()} could not connect {group} at {user_site()} "
+            f"within {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): a member did not join. "
+            f"{_others_doing()}"
+        ) from error
 
 
 def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:
@@ -119,38 +134,53 @@ def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:
     return f"a {backend} group of ranks {list(ranks)}{lanes}"
 
 
-def _agree(group: str, members: Sequence[int]) -> None:
-    """Check the ranks that created their n-th group created ``group`` (NOTE [group agreement])."""
+def _agree(group: str, members: Sequence[int]) -> int | None:
+    """Check the ranks that created their n-th group created ``group`` (NOTE [group agreement]);
+    returns n (``None`` without a store to agree through)."""
     store = default_store()
     n = _created[0]
     _created[0] += 1
     if store is None:
-        return
+        return None
     me, world_size = dist.get_rank(), dist.get_world_size()
-    keys = [f"sbpflow/group/{n}/{rank}" for rank in range(world_size)]
+    keys = _keys(n, world_size)
     store.set(keys[me], group)
-    where = user_site()
     if me in members:  # the members meet in the group's rendezvous anyway
         try:
             store.wait([keys[rank] for rank in members], timeout_delta())
         except (RuntimeError, OSError) as error:  # DistStoreError subclasses RuntimeError
             missing = [rank for rank in members if not store.check([keys[rank]])]
-            doing = "; ".join(
-                f"rank {r} was last in {c}" for r, c in sorted(others_calls().items())
-            )
             raise CollectiveError(
-                f"sbpflow: rank {me} creates {group} at {where}, but rank(s) {missing} created "
-                f"no group for {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): every rank must make "
-                "the same sbpflow calls in the same order, so look for a branch only some ranks "
-                f"take. {doing + '.' if doing else ''}"
+                f"sbpflow: rank {me} creates {group} at {user_site()}, but rank(s) {missing} "
+                f"created no group for {timeout_seconds():.0f} s (SBPFLOW_TIMEOUT): every rank "
+                "must make the same sbpflow calls in the same order, so look for a branch only "
+                f"some ranks take. {_others_doing()}"
             ) from error
+    _check_same(n, group)
+    return n
+
+
+def _keys(n: int, world_size: int) -> list[str]:
+    return [f"sbpflow/group/{n}/{rank}" for rank in range(world_size)]
+
+
+def _others_doing() -> str:
+    doing = "; ".join(f"rank {r} was last in {c}" for r, c in sorted(others_calls().items()))
+    return doing + "." if doing else ""
+
+
+def _check_same(n: int, group: str) -> None:
+    """Raise if a rank that has published its n-th group published another than ``group``."""
+    store = default_store()
+    assert store is not None
+    keys = _keys(n, dist.get_world_size())
     created = {rank: store.get(key).decode() for rank, key in enumerate(keys) if store.check([key])}
     if any(other != group for other in created.values()):
         each = "; ".join(f"rank {rank} creates {other}" for rank, other in created.items())
         raise CollectiveError(
-            f"sbpflow: the ranks create different groups at the same point ({each}); rank {me} "
-            f"is at {where}. Every rank must make the same sbpflow calls in the same order "
-            "(each rank makes every group, members or not): look for a branch only some ranks "
-            "take, e.g. each pipeline called only on its own ranks; call every graph and global "
-            "op on every rank (the ranks outside a placement skip its work)."
+            f"sbpflow: the ranks create different groups at the same point ({each}); rank "
+            f"{dist.get_rank()} is at {user_site()}. Every rank must make the same sbpflow calls "
+            "in the same order (each rank makes every group, members or not): look for a branch "
+            "only some ranks take, e.g. each pipeline called only on its own ranks; call every "
+            "graph and global op on every rank (the ranks outside a placement skip its work)."
         )

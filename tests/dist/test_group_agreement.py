@@ -17,6 +17,7 @@ On 4 ranks:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,3 +204,33 @@ def test_a_rank_that_skipped_a_group_is_named(pool: DistributedPool) -> None:
             "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message
             or "rank(s) [3] created no group" in message
         ), (rank, message)
+
+
+def rank_zero_compares_late() -> Any:
+    """``rank_three_skips`` with the race made certain: ranks 1 and 2 compare before rank 3
+    publishes its group and go on to the group's rendezvous; rank 0 compares after, sees rank
+    3's group, raises, and never joins that rendezvous."""
+    rank = sbpflow.env.get_rank()
+    if rank == 0:
+        compare = _groups._check_same
+
+        def late(n: int, group: str) -> None:
+            time.sleep(2.0)
+            compare(n, group)
+
+        _groups._check_same = late  # type: ignore[assignment]
+    if rank == 3:
+        time.sleep(1.0)
+        _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+    else:
+        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
+    return "made"
+
+
+def test_members_left_waiting_in_a_rendezvous_name_the_disagreement(pool: DistributedPool) -> None:
+    """The members that went on to the group's rendezvous raise the same named error as the
+    rank that compared later, not torch's store timeout."""
+    outcomes = pool.run_expect_errors(rank_zero_compares_late, timeout=WITHIN_S)
+    for rank, error in enumerate(outcomes):
+        message = _message(error)
+        assert "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message, (rank, message)
