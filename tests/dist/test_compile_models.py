@@ -39,6 +39,9 @@ from sbpflow.nn.parallel import fully_shard
 from sbpflow.sbp import Broadcast, Split
 from sbpflow.testing import get_pool
 
+from .test_tensor_parallel import _megatron_llama
+from .test_transformers_models import _OPTIMIZERS  # SGD for BERT and GPT-2, as there
+
 transformers = pytest.importorskip(
     "transformers",
     reason="needs Hugging Face transformers (pip install -e '.[test]' installs it)",
@@ -98,15 +101,6 @@ def _bert() -> nn.Module:
 
 
 _FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
-
-# BERT's and GPT-2's attention key bias has a true gradient of 0 (softmax cancels it) and a
-# computed one of rounding noise; AdamW's first steps move by about lr * sign(grad), so they
-# train with SGD (as in test_transformers_models.py).
-_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "llama": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "bert": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "gpt2": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-}
 
 
 def _batch(family: str) -> dict[str, torch.Tensor]:
@@ -187,17 +181,10 @@ def _logical(t: torch.Tensor) -> torch.Tensor:
     return t.to_global(sbp=(B,) * len(t.sbp), check_meta=False).to_local().detach()
 
 
-def _megatron(name: str, t: torch.Tensor) -> Any:
-    module = name.split(".")[-2]
-    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-        return S0
-    return S1 if module in ("o_proj", "down_proj") else B
-
-
 def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) -> nn.Module:
     model = model.to_global(placement, B)
     if layout == "tensor parallel":
-        model = model.to_global(placement, _megatron)
+        model = model.to_global(placement, _megatron_llama)
     elif layout == "fully_shard":
         for layer in model.model.layers:
             fully_shard(layer, placement)
