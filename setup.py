@@ -9,7 +9,11 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "networkx>=3", "scipy>=1.9"],
     extras_require={
+        # CuPy and NCCL wheels are built per CUDA major version: pick the one of your torch
+        # build (torch.version.cuda). "cuda" is the CUDA 12 set.
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+        "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
         "examples": ["scikit-learn", "tqdm"],
         "notebook": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
         "test": [
