@@ -179,6 +179,7 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _meta: Meta  # (layout, shape, dtype) interned, for the dispatch fast path
+    _traced_input: bool = False  # NOTE [inputs of a traced function]
     _op_dispatcher: ClassVar[_dispatch.OpDispatcher] = _dispatch.OpDispatcher()
     # NOTE [outputs the backward does not reach] in sbpflow/_compiled_outputs.py
     _compiled_runs: ClassVar[_compiled_outputs.CompiledRuns] = _compiled_outputs.CompiledRuns()
@@ -286,7 +287,16 @@ class GlobalTensor(torch.Tensor):
         self = wrap(local, meta_of(layout, shape, dtype, strides), local.requires_grad)
         if not traced(local):  # made by a compiled region at run time
             GlobalTensor._compiled_runs.record(self)
+        else:
+            self._traced_input = True
         return self
+
+    # NOTE [inputs of a traced function]
+    # While torch.compile traces a function, the global tensors it is given (parameters
+    # among them) reach it rebuilt from their pieces by ``__tensor_unflatten__``, as fresh
+    # tensors that are not leaves; they are marked ``_traced_input``. The gradient plan
+    # (``_gradient_hooks``) takes them for the parameters they stand in for, as eager code
+    # takes leaves: the traced backward then returns gradients in the layouts eager does.
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches: metadata and this rank.

@@ -35,7 +35,6 @@ from . import _global
 from ._layout import Layout
 from ._propagation import GradientPlan
 from .boxing._redistribute import Redistribute
-from .comm import _functional
 
 if TYPE_CHECKING:
     from ._global import GlobalTensor
@@ -108,41 +107,19 @@ def _made_by_function(t: torch.Tensor) -> bool:
     return getattr(t.grad_fn, "_forward_cls", None) is not None
 
 
-# The backward nodes of view ops (their gradient is the same values, reshaped) and of
-# ``to_global``: walking through them from a tensor reaches the parameter it shows.
-_VIEW_NODES = frozenset(
-    {
-        "AliasBackward0",
-        "ExpandBackward0",
-        "PermuteBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-        "TBackward0",
-        "TransposeBackward0",
-        "UnsafeViewBackward0",
-        "UnsqueezeBackward0",
-        "ViewBackward0",
-    }
-)
-
-
 def _is_parameter(t: Any) -> bool:
-    """Whether ``t`` is a parameter (a leaf that requires grad) or shows one through views
-    and ``to_global`` (``fully_shard`` gathers parameters so). Asked of the inputs an op
-    uses split or partial: the weights of column- and row-parallel matmuls. The walk goes
-    by backward nodes, not ``_base``: a torch.compile trace re-creates views."""
+    """Whether ``t`` is a parameter (a leaf that requires grad) or a view of one, at any depth
+    (``W.t()``, ``W.view(...)[0]``). Asked of the inputs an op uses split or partial: the
+    weights of column- and row-parallel matmuls.
+
+    Answered from the tensor, not its autograd history: a view's ``_base`` is the tensor it
+    shows (a view of a view has the first one's base). While torch.compile traces, the traced
+    function's inputs stand in for the parameters it uses (NOTE [inputs of a traced function]
+    in _global); a view made in the trace has such an input as its base.
+    """
     if not isinstance(t, _global.GlobalTensor) or not t.requires_grad:
         return False
-    # In a trace AOTAutograd gives the compiled function's inputs (parameters among them) a
-    # placeholder backward node named "Error".
-    inputs = ("AccumulateGrad", "Error") if _functional.traced(t._local) else ("AccumulateGrad",)
-    node = t.grad_fn
-    for _ in range(8):
-        if node is None or type(node).__name__ in inputs:
-            return True
-        is_boxing = getattr(node, "_forward_cls", None) is Redistribute
-        if not is_boxing and type(node).__name__ not in _VIEW_NODES:
-            return False
-        node = next((n for n, _ in node.next_functions if n is not None), None)
-    return False
+    shown = t._base if t._is_view() else t
+    if not isinstance(shown, _global.GlobalTensor) or not shown.requires_grad:
+        return False
+    return shown.is_leaf or shown._traced_input

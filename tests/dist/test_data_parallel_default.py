@@ -394,8 +394,10 @@ def zeroing_job(set_to_none: bool | None) -> dict[str, Any]:
     return {"errors": _errors(_logical(model), reference), "storages": storages, "counts": counts}
 
 
-def kept_grad_job() -> dict[str, Any]:
-    """A .grad, and a slice of another, kept across zero_grad() and the next backward."""
+def kept_grad_job(kept_names: tuple[str, ...]) -> dict[str, Any]:
+    """A .grad, a slice of another and the ``.detach()`` of a third (sharing its memory, not a
+    view of it), or those of them ``kept_names`` names, kept across zero_grad() and the next
+    backward."""
     placement = _world()
     torch.manual_seed(0)
     reference = Net()
@@ -418,7 +420,9 @@ def kept_grad_job() -> dict[str, Any]:
             kept = {
                 "fc1.weight": model.fc1.weight.grad,
                 "fc2.bias[:2]": model.fc2.bias.grad[:2],
+                "fc2.weight detached": model.fc2.weight.grad.detach(),
             }
+            kept = {n: g for n, g in kept.items() if n in kept_names}
             kept_values = {n: g.to_local().clone() for n, g in kept.items()}
         errors.append(
             max(
@@ -443,11 +447,15 @@ def test_zero_grad_both_ways_with_default_buckets(set_to_none: bool | None) -> N
         assert all(len(s) == 1 for s in later) and len(set.union(*later)) == 1, later
 
 
-def test_a_kept_gradient_is_not_overwritten() -> None:
-    """A user keeps p.grad (and a slice of another) across zero_grad() and the next backward:
-    what they hold keeps its values (the bucket moves to a new buffer instead of writing
-    over it), and every step's gradients equal one process's."""
-    for got in get_pool(2).run(kept_grad_job):
+@pytest.mark.parametrize(
+    "kept_names", [("fc1.weight", "fc2.bias[:2]", "fc2.weight detached"), ("fc2.weight detached",)]
+)
+def test_a_kept_gradient_is_not_overwritten(kept_names: tuple[str, ...]) -> None:
+    """A user keeps p.grad (a slice of another, the detached gradient of a third) across
+    zero_grad() and the next backward: what they hold keeps its values (the bucket moves to
+    a new buffer instead of writing over it), and every step's gradients equal one
+    process's."""
+    for got in get_pool(2).run(kept_grad_job, kept_names):
         assert got["unchanged"], got
         assert max(got["errors"]) < _TOL, got
 

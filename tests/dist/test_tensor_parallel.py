@@ -132,6 +132,48 @@ def megatron_mlp_job(sequence_parallel: bool) -> dict[str, Any]:
     return _train(model, reference, {"x": x}, {"x": gx}, _mlp_loss)
 
 
+def _through_views(w: torch.Tensor) -> torch.Tensor:
+    """``w`` itself, seen through ten transposes and a select: views deeper than 8 and of an
+    op (``select``) that no list of view ops named."""
+    for _ in range(5):
+        w = w.t().t()
+    return w[None][0]
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMS norm, in pointwise ops: a partial-sum gradient can pass through them."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class ViewedBlock(Block):
+    """``Block`` with an RMS norm, whose column-parallel weight reaches its matmul through
+    ``_through_views`` (the bias added apart: the matmul's one split input is that weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = nn.functional.linear(self.norm(x), _through_views(self.up.weight)) + self.up.bias
+        return x + self.down(nn.functional.gelu(up))
+
+
+def viewed_weights_job() -> dict[str, Any]:
+    """``megatron_mlp_job`` with ``ViewedBlock``s, against one process."""
+    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[ViewedBlock() for _ in range(_BLOCKS)])
+    model = copy.deepcopy(reference).to_global(placement, B).to_global(placement, _megatron_mlp)
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    return _train(model, reference, {"x": x}, {"x": x.to_global(placement, B)}, _mlp_loss)
+
+
 def _llama(layers: int) -> nn.Module:
     import transformers
 
@@ -203,6 +245,19 @@ def test_megatron_mlp_blocks_run_one_all_reduce_each_way() -> None:
     output's sum) and one backward (the column-parallel input's gradient), nothing else;
     training equals one process."""
     for rank, got in enumerate(get_pool(2).run(megatron_mlp_job, False)):
+        where = f"rank {rank}"
+        _check_values(where, got)
+        for step, record in enumerate(got["steps"]):
+            assert record["forward"] == {"all_reduce": _BLOCKS}, (where, step, record)
+            assert record["backward"] == {"all_reduce": _BLOCKS}, (where, step, record)
+
+
+def test_weights_seen_through_views_at_any_depth() -> None:
+    """The Megatron blocks with each column-parallel weight reaching its matmul through ten
+    transposes and a select: the same one all_reduce per block each way (the input's gradient
+    is reduced where the input is, not left partial for the layer norm's backward), and
+    training equals one process."""
+    for rank, got in enumerate(get_pool(2).run(viewed_weights_job)):
         where = f"rank {rank}"
         _check_values(where, got)
         for step, record in enumerate(got["steps"]):

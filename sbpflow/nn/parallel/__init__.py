@@ -11,7 +11,6 @@ All run on one engine, ``GradientSync`` (NOTE [bucketed gradient sync] in ``_red
 instead (fully sharded data parallelism, ``fsdp``).
 """
 
-from . import _default  # noqa: F401  (binds the default buckets to global leaves' hooks)
 from ._reducer import GradientSync
 from .distributed import DistributedDataParallel
 from .fsdp import FSDPModule, MixedPrecisionPolicy, ShardedState, fully_shard

@@ -30,6 +30,10 @@
 # leaf), so a tensor made anew each step stays on the per-parameter path
 # instead of paying a check and a buffer each step. ``torch.autograd.grad`` and
 # ``backward(create_graph=True)`` stay on the per-parameter path.
+# The core knows none of this: ``import sbpflow`` binds one ``Discovery`` to the
+# layout hooks' handler of partial gradients (``bind_partial_gradients``, in
+# ``sbpflow._install``, NOTE [what import sbpflow adds to torch]); importing this
+# package binds nothing.
 # ``sync_gradients(module, bucket_cap_mb=...)`` replaces the default buckets
 # of the module's parameters by its own (fixed from the registration order
 # before any backward, with its cap), and ``no_sync(module)`` holds them for
@@ -45,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, PartialGradients, bind_partial_gradients
+from ..._global import GlobalTensor, PartialGradients
 from ..._meta_check import stable_hash
 from ...comm import collectives
 from ...comm._mesh import MESHES
@@ -152,7 +156,3 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
                 "on its own slice of the batch; this rank's were "
                 f"{', '.join(m.label for m in mine[:4])}{', ...' if len(mine) > 4 else ''}."
             )
-
-
-DISCOVERY = Discovery()
-bind_partial_gradients(DISCOVERY)

@@ -151,9 +151,10 @@ class ReducedParam:
         """This rank's piece of ``.grad`` laid out partial-sum on ``axes`` (None: no grad)."""
         raise NotImplementedError
 
-    def reduced_grad(self) -> torch.Tensor:
-        """``.grad`` once the bucket is reduced: a fresh alias of ``view`` (NOTE [who else holds
-        a gradient] in _reducer), laid out as the parameter."""
+    def reduced_grad(self, local: torch.Tensor) -> torch.Tensor:
+        """``.grad`` once the bucket is reduced: ``local``, this parameter's piece of the
+        reduced buffer as the bucket hands it out (NOTE [who else holds a gradient] in
+        _reducer), laid out as the parameter."""
         raise NotImplementedError
 
     def regrad(self, local: torch.Tensor) -> torch.Tensor:
@@ -298,9 +299,8 @@ class GlobalParam(ReducedParam):
         sbp = tuple(_SUM if a in axes else s for a, s in enumerate(self.layout.sbp))
         return grad.to_global(self.layout.placement, sbp, check_meta=False)._local
 
-    def reduced_grad(self) -> torch.Tensor:
-        assert self.view is not None
-        return wrap(self.view.detach(), self.meta)
+    def reduced_grad(self, local: torch.Tensor) -> torch.Tensor:
+        return wrap(local, self.meta)
 
     def regrad(self, local: torch.Tensor) -> torch.Tensor:
         grad = self.param.grad
@@ -347,14 +347,14 @@ class LocalParam(ReducedParam):
         self.fill(grad)
         # The fresh gradient is freed now, so backward's next allocation reuses its memory
         # (freed only at the end of backward, it came back as fresh pages every step).
-        self.param.grad = self.reduced_grad()
+        assert self.view is not None
+        self.param.grad = self.view.detach()  # until the bucket hands out the reduced one
 
     def piece_for_launch(self, axes: tuple[int, ...]) -> torch.Tensor | None:
         return self.param.grad
 
-    def reduced_grad(self) -> torch.Tensor:
-        assert self.view is not None
-        return self.view.detach()
+    def reduced_grad(self, local: torch.Tensor) -> torch.Tensor:
+        return local
 
     def regrad(self, local: torch.Tensor) -> torch.Tensor:
         return local

@@ -98,16 +98,21 @@
 
 # NOTE [who else holds a gradient]
 # A ``.grad`` kept past ``zero_grad(set_to_none=True)`` (``g = p.grad``, a slice of
-# it, an optimizer's set-aside gradients) would be overwritten by the next
-# backward's copy into the same buffer: a silent wrong value. So each ``.grad``
-# handed out is a fresh alias of the bucket's view, and when a round begins for
-# a bucket, the number of tensors using its buffer is compared with the ones
-# the sync accounts for (the buffer, one view per parameter, the ``.grad`` of
-# each parameter that is still in the bucket). Any more: someone else holds a
-# piece, and the bucket moves to a new buffer (the gradients still in it copied
-# along) instead of overwriting theirs. A ``.grad`` that stays ``.grad``
-# (``zero_grad(set_to_none=False)``, accumulation) is updated in place, as in
-# one process.
+# it, its ``.detach()``, an optimizer's set-aside gradients) would be overwritten
+# by the next backward's copy into the same buffer: a silent wrong value. So the
+# reduced gradients are handed out on a storage of their own over the same
+# memory (``torch.from_dlpack`` of the buffer: one per bucket and round, it keeps
+# the buffer alive), of which the sync keeps only a weak reference: every tensor
+# made from what was handed out (views, ``.detach()``, ``.data``) uses that
+# storage, so it is alive exactly as long as one of them is. When a round begins
+# for a bucket:
+#   - the storage is gone: nobody holds a piece; the buffer is written again;
+#   - it is alive and every gradient handed out is still its parameter's
+#     ``.grad`` (``zero_grad(set_to_none=False)``, accumulation): it is updated
+#     in place, and so is whatever shares it, as in one process;
+#   - it is alive and some ``.grad`` handed out is not ``.grad`` any more:
+#     someone may hold its piece, and the bucket moves to a new buffer (the
+#     gradients still in it copied along) instead of overwriting theirs.
 """
 
 from __future__ import annotations
@@ -169,6 +174,10 @@ class _Bucket:
     num_ready: int = 0
     launched: bool = False  # launched at least once this round
     pending: collectives.PendingCollective | None = None
+    # NOTE [who else holds a gradient]: the storage the last reduced gradients were handed out
+    # on (weakly; None: none handed out), and the members that got one
+    handed: Callable[[], object | None] | None = None
+    handed_to: tuple[ReducedParam, ...] = ()
 
 
 class GradientSync:
@@ -415,9 +424,10 @@ class GradientSync:
         assert pending is not None
         flat = pending.wait()
         flags = flat[bucket.numel :].tolist()
-        for m, flag in zip(bucket.members, flags, strict=True):
-            if flag > 0:
-                m.param.grad = m.reduced_grad()
+        members = tuple(m for m, flag in zip(bucket.members, flags, strict=True) if flag > 0)
+        for m, local in zip(members, _hand_out(bucket, members), strict=True):
+            m.param.grad = m.reduced_grad(local)
+        for m in bucket.members:
             m.reset()
         bucket.state, bucket.num_ready, bucket.pending = BucketState.IDLE, 0, None
 
@@ -512,10 +522,13 @@ def _attach(bucket: _Bucket, flat: torch.Tensor) -> None:
 
 
 def _move_if_held_elsewhere(bucket: _Bucket) -> None:
-    """Move ``bucket`` to a new buffer if a tensor it does not account for uses the old one
-    (NOTE [who else holds a gradient])."""
-    flat = bucket.flat
+    """Move ``bucket`` to a new buffer if a gradient it handed out, no longer its parameter's
+    ``.grad``, may still be held (NOTE [who else holds a gradient])."""
+    flat, handed = bucket.flat, bucket.handed
     assert flat is not None
+    if handed is None or handed() is None:
+        bucket.handed, bucket.handed_to = None, ()
+        return
     start = flat.data_ptr()
     end = start + flat.numel() * flat.element_size()
     held: dict[int, tuple[ReducedParam, torch.Tensor]] = {}  # .grad still in the bucket
@@ -523,16 +536,53 @@ def _move_if_held_elsewhere(bucket: _Bucket) -> None:
         local = m.grad_local()
         if local is not None and local is not m.view and start <= local.data_ptr() < end:
             held[id(local)] = (m, local)
-    # the buffer, each member's view, each .grad in it, and the storage object asked
-    accounted = 2 + len(bucket.members) + len(held)
-    if torch._C._storage_Use_Count(flat.untyped_storage()._cdata) <= accounted:
+    still_grad = {id(m) for m, _ in held.values()}
+    if all(id(m) in still_grad for m in bucket.handed_to):
         return
     moved = flat.clone()
     _attach(bucket, moved)
-    for m, local in held.values():
+    members = tuple(m for m, _ in held.values())
+    pieces = []
+    for _, local in held.values():
         offset = (local.data_ptr() - start) // flat.element_size()
-        piece = moved.as_strided(local.shape, local.stride(), offset)
+        pieces.append(moved.as_strided(local.shape, local.stride(), offset))
+    for m, piece in zip(members, _hand_out(bucket, members, pieces), strict=True):
         m.param.grad = m.regrad(piece)
+
+
+def _hand_out(
+    bucket: _Bucket,
+    members: Sequence[ReducedParam],
+    pieces: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``pieces`` of the bucket's buffer (default: ``members``' views), on a storage of their
+    own that the bucket watches (NOTE [who else holds a gradient])."""
+    flat = bucket.flat
+    assert flat is not None
+    if pieces is None:
+        pieces = [m.view for m in members]  # type: ignore[misc]  # views, as flat is set
+    bucket.handed_to = tuple(members)
+    if not members:
+        bucket.handed = None
+        return []
+    try:
+        shown = torch.from_dlpack(flat.detach())
+    except (BufferError, RuntimeError, TypeError):  # a dtype DLPack has no code for
+        bucket.handed = _unknown
+        return [piece.detach() for piece in pieces]
+    bucket.handed = weakref.ref(shown.untyped_storage())
+    base = flat.storage_offset()
+    # detached: a gradient is no view (of ``shown``), as torch's own are not
+    return [
+        shown.as_strided(piece.shape, piece.stride(), piece.storage_offset() - base).detach()
+        for piece in pieces
+    ]
+
+
+def _unknown() -> object:
+    """What the bucket knows of gradients it handed out without a storage of their own: they
+    may be held anywhere."""
+    return True
 
 
 def _reduce_axes(bucket: _Bucket) -> tuple[int, ...]:
