@@ -140,12 +140,12 @@ def _plain_losses() -> list[float]:
 
 
 def rank_three_skips() -> Any:
-    """Ranks 0-2 make a group of ranks 0-2 that rank 3 skips (a lane of its own, so that it is
+    """Ranks 0-2 make a group of ranks 0-2 that rank 3 skips (a tag of its own, so that it is
     new); then every rank makes a group of all four."""
     rank = sbpflow.env.get_rank()
     if rank != 3:
-        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
-    _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+        _groups.group_of("cpu", [(0, 1, 2)], rank, tag="made by ranks 0-2")
+    _groups.group_of("cpu", [(0, 1, 2, 3)], rank, tag="made by every rank")
     return "made"
 
 
@@ -196,7 +196,7 @@ def test_a_rank_that_skipped_a_group_is_named(pool: DistributedPool) -> None:
     message = _message(skipped)
     assert "the ranks create different groups at the same point" in message, message
     assert "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message, message
-    assert "rank 0 creates a gloo group of ranks [0, 1, 2] (a transfer lane" in message, message
+    assert "rank 0 creates a gloo group of ranks [0, 1, 2] (a group of its own" in message, message
     for rank, error in enumerate(others):
         # Rank 3 made its entry before or after this rank compared: named either way.
         message = _message(error)
@@ -221,9 +221,9 @@ def rank_zero_compares_late() -> Any:
         _groups._check_same = late  # type: ignore[assignment]
     if rank == 3:
         time.sleep(1.0)
-        _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+        _groups.group_of("cpu", [(0, 1, 2, 3)], rank, tag="made by every rank")
     else:
-        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
+        _groups.group_of("cpu", [(0, 1, 2)], rank, tag="made by ranks 0-2")
     return "made"
 
 
