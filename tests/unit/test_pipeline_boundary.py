@@ -59,16 +59,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "pipeline": "a comment giving stages as an example of a placement no op used",
         "stage": "the same comment",
     },
-    "sbpflow._dispatch": {
-        "sit out": "_SitOut: the fast path of a rank computing no part of an op",
-        "pipeline": "comments: a pipelined step sits out other stages' ops",
-        "stage": "the same comments",
-        "micro-batch": "the same comments",
-    },
-    "sbpflow.comm._errors": {
-        "pipeline": "communications_entered tells the runtime whether a stage needs this rank",
-        "stage": "the same comment",
-    },
 }
 
 
