@@ -4,11 +4,12 @@ peers or waiting there until gloo's connect timeout.
 
 On 4 ranks:
 - two 2-stage pipelines (ranks 0-1 and ranks 2-3), built on every rank but each called only on
-  its own ranks: the ranks of at least one pipeline raise at their first transfer, naming both
-  groups, and a rank that does not raise has computed its pipeline's loss exactly;
-- a ZBV pipeline of 8 stages (two per rank, in a V), whose ranks make the groups of its
-  transfers at different times (a rank makes the group of two other ranks while those wait
-  for each other's data), trains as plain torch does: the check never waits for a rank
+  its own ranks: the ranks of at least one pipeline raise where their first step makes its
+  lanes, naming both groups, and a rank that does not raise has computed its pipeline's loss
+  exactly;
+- a ZBV pipeline of 8 stages (two per rank, in a V), whose ranks make the lanes between its
+  consecutive stages when its step starts (mostly groups of two other ranks, which the ranks
+  reach at different times), trains as plain torch does: the check never waits for a rank
   outside the group it makes;
 - a group ranks 0-2 make and rank 3 skips: rank 3 raises at once at the next group every rank
   makes; ranks 0-2 raise naming rank 3, at once if rank 3's entry is there when they compare,
@@ -55,7 +56,7 @@ class TwoStages(sbpflow.nn.Graph):
 
 def own_pipelines_only() -> Any:
     """Every rank builds both pipelines; ranks 0-1 call the one on ranks 0-1 and ranks 2-3
-    the one on ranks 2-3 (their first transfers would make their first groups). Returns
+    the one on ranks 2-3 (their first steps would make their first groups). Returns
     the loss on the rank holding the last stage."""
     graphs = [TwoStages((0, 1)), TwoStages((2, 3))]
     batches = [

@@ -121,7 +121,7 @@ from ...._layout import Layout
 from ....boxing._redistribute import Redistribute, box_below_autograd
 from ....boxing.executor import Transport
 from ..schedules import Action
-from . import _transfers
+from ._transfers import StepTransfers
 from ._weight_pass import SavedTensors
 
 __all__ = ["Backward", "Driver", "MicroBatch", "Phase", "Scope", "current_action"]
@@ -198,8 +198,11 @@ class Driver(Protocol):
 class Scope:
     """The step context of one pass over a micro-batch (NOTE [pipeline step context])."""
 
-    def __init__(self, mb: MicroBatch, driver: Driver | None = None) -> None:
+    def __init__(
+        self, mb: MicroBatch, transfers: StepTransfers, driver: Driver | None = None
+    ) -> None:
         self.mb = mb
+        self.transfers = transfers  # the step's (NOTE [deferred sends] in _transfers.py)
         self.driver = driver
         self.phase = Phase.IDLE
         self.action: Action | None = None  # the schedule's action this pass runs now
@@ -229,7 +232,7 @@ class Scope:
                 self.mb.crossed.append(x)
             if self.driver is not None:
                 self.driver.crossing_forward(self, ctx, x, dst)
-        return _transfers.lane(x.placement, dst.placement, 0)
+        return self.transfers.lane(x.placement, dst.placement, 0)
 
     def crossing_backward(self, ctx: Any, grad: GlobalTensor) -> GlobalTensor:
         """NOTE [crossings in a step]: the gradient goes back on lane 1."""
@@ -240,7 +243,7 @@ class Scope:
             kept = getattr(ctx, "pipeline_grad", None)
             assert kept is not None, "a weight pass crossed a placement its input pass did not"
             return kept  # dropped with the graph
-        grad = _move_back(ctx, grad)
+        grad = _move_back(ctx, grad, self.transfers.lane(ctx.src.placement, ctx.dst.placement, 1))
         if self.phase is Phase.INPUT:
             ctx.pipeline_grad = grad  # for the weight pass (NOTE [split backward])
         return grad
@@ -267,10 +270,9 @@ def current_action() -> Action | None:
     return scope.action if isinstance(scope, Scope) else None
 
 
-def _move_back(ctx: Any, grad: GlobalTensor) -> GlobalTensor:
-    """A crossing's gradient moved back to its input's layout on lane 1 (NOTE [gradients
-    cross in the layout their tensor crossed in])."""
-    back = _transfers.lane(ctx.src.placement, ctx.dst.placement, 1)
+def _move_back(ctx: Any, grad: GlobalTensor, back: Transport) -> GlobalTensor:
+    """A crossing's gradient moved back to its input's layout through ``back`` (NOTE
+    [gradients cross in the layout their tensor crossed in])."""
     crossed = grad if grad._layout == ctx.dst else Redistribute.apply(grad, ctx.dst)
     if torch.is_grad_enabled():  # create_graph: the move is part of the graph
         return Redistribute.apply(crossed, ctx.src, back)

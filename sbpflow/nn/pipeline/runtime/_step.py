@@ -99,9 +99,9 @@ def run_step(
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
         if len(held) > 1:
-            run_on_workers(todo, mbs, build, held, stages, recorder)
+            run_on_workers(todo, mbs, build, held, stages, recorder, sends)
         else:
-            scopes = [Scope(mb) for mb in mbs]
+            scopes = [Scope(mb, sends) for mb in mbs]
             for mb, scope in zip(mbs, scopes, strict=True):
                 scope.enter(mb.context)
             receives = early_receives.start(sends, schedule, microbatches, stages)

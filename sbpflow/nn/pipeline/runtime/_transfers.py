@@ -87,7 +87,6 @@ __all__ = [
     "Message",
     "Receive",
     "StepTransfers",
-    "lane",
     "make_lanes",
     "step_transfers",
 ]
@@ -129,11 +128,6 @@ def make_lanes(stages: Sequence[Stage]) -> None:
             _lane_group(dst.type, _members(src, dst), ((src, dst), 0))
 
 
-def lane(src: Placement, dst: Placement, index: int) -> Transport:
-    """The transport of lane ``index`` of the crossings from ``src`` to ``dst``."""
-    return functools.partial(_exchange, lane=((src, dst), index))
-
-
 def _members(src: Placement, dst: Placement) -> tuple[int, ...]:
     return tuple(sorted(set(src.flat_ranks) | set(dst.flat_ranks)))
 
@@ -149,13 +143,43 @@ def _lane_group(device_type: str, members: tuple[int, ...], on: Lane) -> Any:
 
 @dataclass
 class StepTransfers:
-    """The sends posted inside one ``step_transfers()`` block, waited for when it ends; and
-    the receives posted early in it (NOTE [receives posted early])."""
+    """One step's transfers: the sends its lanes posted, waited for when its
+    ``step_transfers()`` block ends; and the receives posted early in it (NOTE [receives
+    posted early]). The scopes of the step's micro-batches hold it."""
 
     observer: Callable[[Message], None] | None = None
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     # Called with each receive the block's transfers make, after its data arrived.
     on_receive: Callable[[Receive], None] | None = None
+    running: bool = True  # until its block ends
+
+    def lane(self, src: Placement, dst: Placement, index: int) -> Transport:
+        """The transport of lane ``index`` of the crossings from ``src`` to ``dst``."""
+        return functools.partial(self._exchange, lane=((src, dst), index))
+
+    def _exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        device_type: str,
+        members: tuple[int, ...],
+        lane: Lane,
+    ) -> None:
+        """A lane's transport (NOTE [transports] in sbpflow/boxing/executor.py)."""
+        group = _lane_group(device_type, members, lane)
+        if group is None:
+            assert not sends and not recvs, f"pieces to move outside the ranks {list(members)}"
+            return
+        route = (device_type, members, lane)
+        with named("send_recv", members):
+            if self.running:
+                self._post(sends, recvs, group, route)
+            else:  # after its step (a graph kept with create_graph): wait for each message
+                works = [_p2p.isend(t.contiguous(), peer, group) for peer, t in sends]
+                for peer, buffer in recvs:
+                    _receive(buffer, peer, group, route)
+                for work in works:
+                    work.wait()
 
     def post_early(self, receives: Sequence[Receive]) -> None:
         """Post ``receives`` now; the next receives from their peers take them (NOTE
@@ -176,7 +200,7 @@ class StepTransfers:
             for work, _ in pending:
                 work.wait()
 
-    def post(
+    def _post(
         self,
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
@@ -202,21 +226,15 @@ class StepTransfers:
                 self.on_receive(Receive(route, peer, tuple(buffer.shape), buffer.dtype))
 
 
-_current: StepTransfers | None = None
-
-
 @contextlib.contextmanager
 def step_transfers(observer: Callable[[Message], None] | None = None) -> Iterator[StepTransfers]:
-    """Inside the block, the lanes' transports do not wait for their sends (NOTE [deferred
-    sends]), and receives may be posted early (NOTE [receives posted early]).
+    """A step's transfers: inside the block its lanes' transports do not wait for their sends
+    (NOTE [deferred sends]), and receives may be posted early (NOTE [receives posted early]).
 
     The sends are waited for when the block ends; when it raises they are left
-    pending with their buffers kept alive. Blocks do not nest.
+    pending with their buffers kept alive.
     """
-    global _current
-    if _current is not None:
-        raise RuntimeError("step_transfers() blocks do not nest")
-    _current = state = StepTransfers(observer)
+    state = StepTransfers(observer)
     try:
         yield state
     except BaseException:
@@ -226,7 +244,7 @@ def step_transfers(observer: Callable[[Message], None] | None = None) -> Iterato
         state.pending = []
         raise
     finally:
-        _current = None
+        state.running = False
     state.wait()
 
 
@@ -237,30 +255,6 @@ on_teardown(_abandoned.clear)
 # their buffers; they outlive the step that posted them (NOTE [receives posted early]).
 _early: dict[tuple[Route, int], deque[tuple[Receive, Any, torch.Tensor]]] = {}
 on_teardown(_early.clear)
-
-
-def _exchange(
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    device_type: str,
-    members: tuple[int, ...],
-    lane: Lane,
-) -> None:
-    """A lane's transport (NOTE [transports] in sbpflow/boxing/executor.py)."""
-    group = _lane_group(device_type, members, lane)
-    if group is None:
-        assert not sends and not recvs, f"pieces to move outside the ranks {list(members)}"
-        return
-    route = (device_type, members, lane)
-    with named("send_recv", members):
-        if _current is not None:
-            _current.post(sends, recvs, group, route)
-        else:  # after its step (a graph kept with create_graph): wait for each message
-            works = [_p2p.isend(t.contiguous(), peer, group) for peer, t in sends]
-            for peer, buffer in recvs:
-                _receive(buffer, peer, group, route)
-            for work in works:
-                work.wait()
 
 
 def _receive(buffer: torch.Tensor, peer: int, group: Any, route: Route) -> None:
