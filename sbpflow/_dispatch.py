@@ -91,7 +91,9 @@ class OpDispatcher:
 
     def __init__(self) -> None:
         self.propagator = Propagator()
-        self.fast: BoundedDict[Any, _Fast | _SitOut] = BoundedDict("dispatch fast path", FAST_BOUND)
+        self.fast: BoundedDict[Any, _Fast | _Outside] = BoundedDict(
+            "dispatch fast path", FAST_BOUND
+        )
         _registry.on_change(self.forget)  # a new rule replaces what was decided without it
 
     def forget(self) -> None:
@@ -110,8 +112,8 @@ class OpDispatcher:
         except TypeError:  # an unhashable argument: no fast entry
             key = fast = None
         if fast is not None:
-            if isinstance(fast, _SitOut):
-                return _sit_out(fast, args)
+            if isinstance(fast, _Outside):
+                return _run_outside(fast, args)
             return _run_fast(fast, func, args, kwargs)
         args, kwargs = resolve_arguments(func, args, kwargs)  # NOTE [lazy bits]
         if func is _TO_COPY and kwargs.get("device") is not None:  # never on the fast path
@@ -235,7 +237,7 @@ class OpDispatcher:
                 and not _rng.draws(func, args, kwargs)
                 and _fast_eligible(args, kwargs)
             ):
-                self.fast[fast_key] = _SitOut(
+                self.fast[fast_key] = _Outside(
                     decision.output_structure,
                     tuple(
                         decision.output_meta(k, m.dtype)
@@ -413,24 +415,24 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     )
 
 
-# NOTE [sitting out fast]
+# NOTE [outside fast]
 # A rank outside an op's placement runs nothing and holds empty pieces (NOTE [dispatch],
-# ``_wrap_outputs_outside``); a pipelined step does that for every op of the stages and the
-# loss another rank holds, on every micro-batch. A repeated call of that kind (same key, so
-# the same decision: it boxes nothing, writes no input, draws no random numbers, and its
-# outputs' structure is known) leaves a ``_SitOut`` entry and skips the rule lookup, the
-# propagation and the schema walks: it only hooks what the decision hooks and makes the
-# empty outputs with the metadata the full path gave them.
+# ``_wrap_outputs_outside``); a program whose modules live on placements of other ranks
+# does that for every op of those modules, on every call. A repeated call of that kind
+# (same key, so the same decision: it boxes nothing, writes no input, draws no random
+# numbers, and its outputs' structure is known) leaves an ``_Outside`` entry and skips the
+# rule lookup, the propagation and the schema walks: it only hooks what the decision hooks
+# and makes the empty outputs with the metadata the full path gave them.
 
 
 @dataclass(frozen=True)
-class _SitOut:
+class _Outside:
     structure: tuple[Any, tuple[bool, ...]]  # the outputs' tree spec, which leaves are tensors
     outputs: tuple[Meta, ...]  # the tensor outputs' interned metadata
     gradients: GradientPlan | None = None  # as ``_Fast.gradients``
 
 
-def _sit_out(fast: _SitOut, args: tuple[Any, ...]) -> Any:
+def _run_outside(fast: _Outside, args: tuple[Any, ...]) -> Any:
     if fast.gradients is not None:
         apply_gradient_plan(fast.gradients, args)
     spec, tensors = fast.structure
@@ -502,8 +504,8 @@ def _wrap_outputs_outside(func: Any, decision: Decision, args: Any, kwargs: Any)
     comes from the op on their logical metadata, not on this rank's empty
     pieces (some meta kernels divide by the input's numel). The decision keeps
     that structure (``Decision.output_structure``): running the op on meta
-    tensors costs milliseconds for ops that decompose in Python, and a
-    pipelined step runs every other stage's ops this way on every rank.
+    tensors costs milliseconds for ops that decompose in Python, and a model
+    placed on other ranks runs all its ops this way on this rank.
     """
     _rng.skip(func, args, kwargs)  # NOTE [logical random state]: advance as the others do
     structure = decision.output_structure

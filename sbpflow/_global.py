@@ -378,18 +378,18 @@ class GlobalTensor(torch.Tensor):
         create_graph: bool = False,
         inputs: Any = None,
     ) -> None:
-        """As ``torch.Tensor.backward``; inside a pipelined step it is recorded, not run.
+        """As ``torch.Tensor.backward``; the step hooks may take it to run later.
 
-        The pipeline runtime runs ``build``'s forward on a micro-batch and the
-        loss's backward later, when the schedule says (NOTE [pipeline step
-        context] in sbpflow/_step_context.py). The outputs of compiled regions
+        A caller running a program's work out of order installs hooks that can
+        keep this call and run it when it chooses (NOTE [step hooks] in
+        sbpflow/_step_context.py). The outputs of compiled regions
         that this backward runs but does not reach (a model's logits and cache
         next to its loss) get zero gradients of the layout their compiled
         backward expects (NOTE [outputs the backward does not reach] in
         sbpflow/_compiled_outputs.py).
         """
-        scope = _step_context.current.get()
-        if scope is not None and scope.defer_backward(
+        hooks = _step_context.current.get()
+        if hooks is not None and hooks.take_backward(
             self, gradient, retain_graph, create_graph, inputs
         ):
             return

@@ -42,6 +42,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -52,16 +53,19 @@ from .comm import collectives
 from .comm._errors import CollectiveError, publish, user_site
 from .comm._world import get_rank, get_world_size
 
-# NOTE [no agreement in a pipelined step]
-# In a pipelined step (sbpflow/nn/pipeline/runtime/) the ranks run the
-# forwards and backwards of different micro-batches at the same time, so a
-# world-wide agreement per ``to_global`` would pair calls of different
-# micro-batches and make every rank wait for the slowest: the stages would not
-# overlap. So boxing skips the agreement while a step runs (``tensor.py`` asks
-# the step context, NOTE [pipeline step context] in _step_context.py). The ranks
-# still agree by construction (every rank runs the same ``build`` on the same
-# micro-batches); a disagreement then surfaces as a timeout naming each rank's
-# call (NOTE [what the ranks were doing]) instead of a prompt error.
+# NOTE [boxing agreement turned off]
+# A caller that runs the work of several calls of one program interleaved (one
+# rank in one call's forward while another runs an earlier call's backward)
+# cannot let each ``to_global`` agree world-wide: the agreement would pair boxing
+# calls of different program calls and make every rank wait for the slowest. It
+# sets ``boxing_agreement`` to ``False`` in the ``contextvars.Context`` its work
+# runs in, and boxing skips the agreement there. The ranks must then agree by
+# construction (every rank runs the same program on the same inputs); a
+# disagreement surfaces as a timeout naming each rank's call (NOTE [what the
+# ranks were doing]) instead of a prompt error.
+boxing_agreement: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sbpflow_boxing_agreement", default=True
+)
 
 MAX_DIMS = 16
 _HEADER = 8

@@ -3,7 +3,7 @@
 # NOTE [logical random state]
 # Every rank runs the same program, so a random op on a global tensor is the
 # same call on every rank; but a rank outside the op's placement skips the
-# computation (a pipeline stage sits out every other stage's ops), and local
+# computation (its piece is empty), and local
 # code (data augmentation, a sampler) advances torch's per-process generator
 # differently on each rank. Drawing from torch's generator would let the ranks
 # fall out of step silently. So, as DTensor's offset-based tracker does, global
@@ -25,20 +25,15 @@
 # A call given an explicit ``generator=`` uses it as given and leaves the state
 # alone: keeping that generator in step across ranks is then the caller's job.
 #
-# NOTE [micro-batch random streams]
-# A graph step with gradient accumulation runs ``build`` once per micro-batch,
-# and a pipeline schedule runs the micro-batches' work interleaved (a rank with
-# several stages starts micro-batch 1 before micro-batch 0's build is done). So
-# that the values drawn do not depend on that order, each micro-batch draws
-# from a stream of its own: seed ``stream_seed(stream_seed(seed, offset), k)``
-# for micro-batch k (seed and offset where the program is at the call),
-# positions from 0. The stream is a context variable set in the micro-batch's
-# ``contextvars.Context`` (NOTE [pipeline step context] in _step_context.py),
-# so it follows the micro-batch onto whatever thread runs it. After the step
-# the program's offset advances by everything the streams drew. A staged graph
-# thus draws exactly what the same graph without stages draws, whatever its
-# schedule. With one micro-batch there is no stream: ``build`` draws from the
-# program's state directly, as eager code does.
+# NOTE [random streams]
+# Code that runs several calls of a program's work interleaved, or in an order
+# that may change, can keep the values each call draws independent of that
+# order: it gives each call a ``RandomStream`` of its own (a seed, positions
+# from 0), set with ``set_stream`` in the ``contextvars.Context`` the call's work
+# runs in, so the stream follows the work onto whatever thread runs it. Random
+# ops in that context draw from the stream instead of the program's state; the
+# caller then moves the program's state past what the streams drew
+# (``advance``), so the program goes on as every rank's does.
 """
 
 from __future__ import annotations
@@ -64,7 +59,6 @@ __all__ = [
     "draws",
     "generator",
     "manual_seed",
-    "microbatch_streams",
     "next_generator",
     "position",
     "set_stream",
@@ -120,7 +114,7 @@ class RandomOpWhileTracing(UnsupportedFakeTensorException):
 
 @dataclass
 class RandomStream:
-    """One micro-batch's random positions (NOTE [micro-batch random streams])."""
+    """The random positions of one call's work (NOTE [random streams])."""
 
     seed: int
     offset: int = 0
@@ -129,12 +123,6 @@ class RandomStream:
 _stream: contextvars.ContextVar[RandomStream | None] = contextvars.ContextVar(
     "sbpflow_random_stream", default=None
 )
-
-
-def microbatch_streams(count: int) -> list[RandomStream]:
-    """A stream for each of ``count`` micro-batches, derived from where the program is now."""
-    base = stream_seed(_seed, _offset)
-    return [RandomStream(stream_seed(base, k)) for k in range(count)]
 
 
 def set_stream(stream: RandomStream | None) -> None:

@@ -1,30 +1,30 @@
-"""The pipelined step as the layers below the pipeline runtime see it: one context variable.
+"""Hooks for work run out of program order: one context variable the layers below read.
 
-# NOTE [pipeline step context]
-# While the pipeline runtime (sbpflow/nn/pipeline/runtime/) runs a step, three
-# things below it behave differently:
+# NOTE [step hooks]
+# A caller that runs the work of one program out of its order (the forward of
+# one call now, its backward later, interleaved with other calls' work) installs
+# ``StepHooks`` for that work, and two things below it ask them:
 #   - ``GlobalTensor.backward`` (``loss.backward()``, ``scaler.scale(loss).backward()``)
-#     in ``build`` is handed to the runtime instead of run (NOTE [deferred backward]);
-#   - ``Redistribute`` shows the runtime each change of placement (NOTE [transfer
-#     hook] in sbpflow/boxing/_redistribute.py);
-#   - a user-level ``to_global`` skips the ranks' agreement on its metadata (NOTE
-#     [no agreement in a pipelined step] in sbpflow/_meta_check.py).
-# All three read ``current``: the runtime's scope for the micro-batch whose work
-# runs now, or ``None`` outside a step. A context variable, not module globals
-# switched per action: each micro-batch's work runs in a ``contextvars.Context``
-# of its own (``Context.run`` on the runtime's thread, or the micro-batch's
-# worker threads when a rank holds several stages), so the value follows the
-# micro-batch, two threads never see each other's, and nothing outlives the step.
-# The autograd engine would run the backward of CUDA tensors on a device thread
-# of its own, where no context is set; the runtime therefore runs its backward
-# passes with ``torch.autograd.set_multithreading_enabled(False)`` (the engine on
-# the calling thread), so a node's backward sees the scope of the pass running it.
+#     offers the call to ``take_backward``, which may keep it to run later;
+#   - ``Redistribute``, the differentiable boxing, shows ``crossing_forward``
+#     each change of placement, which picks the transport of the move (NOTE
+#     [transports] in sbpflow/boxing/executor.py), and hands the gradient of
+#     such a crossing to ``crossing_backward``, which moves it back (NOTE
+#     [crossing hooks] in sbpflow/boxing/_redistribute.py).
+# Both read ``current``: the hooks of the work running now, or ``None``. A
+# context variable, not module globals switched per piece of work: each piece
+# runs in a ``contextvars.Context`` of its own (``Context.run``, on whatever
+# thread runs it), so the value follows the work, two threads never see each
+# other's, and nothing outlives the caller. The autograd engine would run the
+# backward of CUDA tensors on a device thread of its own, where no context is
+# set; a caller that needs the hooks in backward runs its backward passes with
+# ``torch.autograd.set_multithreading_enabled(False)`` (the engine on the calling
+# thread), so a node's backward sees the hooks of the pass running it.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -32,14 +32,15 @@ if TYPE_CHECKING:
 
     from ._global import GlobalTensor
     from ._layout import Layout
+    from .boxing.executor import Transport
 
-__all__ = ["PipelineScope", "current"]
+__all__ = ["StepHooks", "current"]
 
 
-class PipelineScope(Protocol):
-    """What the runtime does for one micro-batch's work (NOTE [pipeline step context])."""
+class StepHooks(Protocol):
+    """What the caller does for the work run in a context (NOTE [step hooks])."""
 
-    def defer_backward(
+    def take_backward(
         self,
         tensor: torch.Tensor,
         gradient: Any,
@@ -47,18 +48,19 @@ class PipelineScope(Protocol):
         create_graph: bool,
         inputs: Any,
     ) -> bool:
-        """Take a ``backward`` call made in ``build``; ``False`` runs it now instead."""
+        """Take a ``backward`` call to run later; ``False`` runs it now instead."""
         ...
 
-    def transfer_forward(self, ctx: Any, x: GlobalTensor, dst: Layout) -> None:
-        """See ``x`` change placement to ``dst`` (``ctx`` is the autograd node's)."""
+    def crossing_forward(self, ctx: Any, x: GlobalTensor, dst: Layout) -> Transport | None:
+        """See ``x`` change placement to ``dst`` (``ctx`` is the autograd node's); returns the
+        transport of the move (``None``: the default)."""
         ...
 
-    def transfer_backward(self, ctx: Any, compute: Callable[[], GlobalTensor]) -> GlobalTensor:
-        """The gradient of a change of placement: ``compute()`` moves it, the scope may keep it."""
+    def crossing_backward(self, ctx: Any, grad: GlobalTensor) -> GlobalTensor:
+        """The gradient of a crossing, arrived in ``grad``, moved back to ``ctx.src``."""
         ...
 
 
-current: contextvars.ContextVar[PipelineScope | None] = contextvars.ContextVar(
-    "sbpflow_pipeline_scope", default=None
+current: contextvars.ContextVar[StepHooks | None] = contextvars.ContextVar(
+    "sbpflow_step_hooks", default=None
 )

@@ -10,35 +10,21 @@
 # this rank's piece, wrap. Autograd differentiates those ops through their own
 # backward formulas, so that boxing must add no graph node of its own.
 #
-# NOTE [transfer hook]
-# While the pipeline runtime runs a step (NOTE [pipeline step context] in
-# sbpflow/_step_context.py), ``Redistribute`` shows the micro-batch's scope each
-# change of placement (a stage boundary, a weight used on another stage): in
-# forward the input, and in backward a way to compute the gradient, which the
-# runtime may run once and replay (a zero-bubble weight pass crosses the same
-# boundaries as the input pass before it, and must not receive their gradients
-# twice). Its move goes on lane 0 of the pair of placements and its gradient's
-# move back on lane 1 (NOTE [lanes] in sbpflow/comm/_p2p.py), so the ranks need
-# to agree on the order of messages within each lane only. The runtime runs its
-# backwards with the autograd engine on the
-# calling thread (``torch.autograd.set_multithreading_enabled(False)``), so the
-# backward finds the scope of the pass that runs it (an input-gradient or a
-# weight pass) in the context variable.
-#
-# NOTE [gradients cross in the layout their tensor crossed in]
-# Inside a pipelined step a gradient changes placement only from the layout
-# its tensor had after the change in forward: it is first boxed to that layout
-# within the destination placement (e.g. a partial-sum gradient of a
-# tensor-parallel stage is all-reduced among the stage's ranks), then moved.
-# A rank that does not hold a stage never computes the stage's gradients (NOTE
-# [stages held elsewhere] in sbpflow/nn/pipeline/runtime/_held_elsewhere.py);
-# it cannot know the layout they come out in, but it knows this one, so the
-# ranks on both sides of the move plan the same transfer.
+# NOTE [crossing hooks]
+# While step hooks are installed (NOTE [step hooks] in sbpflow/_step_context.py),
+# ``Redistribute`` shows them each change of placement it makes (a crossing):
+# in forward ``crossing_forward`` sees the input and picks the transport of its
+# move (NOTE [transports] in executor.py), and in backward the gradient of a
+# crossing goes to ``crossing_backward``, which moves it back to the input's
+# layout (boxing it first, running ``Redistribute`` and ``box_below_autograd``
+# with a transport of its choice) or returns a gradient it computed before. The
+# hooks' backward is looked up when the backward runs, so it is that of the pass
+# running it. A move given a transport is not shown to the hooks again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -124,8 +110,8 @@ def _box(
 
 def _check_boxing_meta(x: GlobalTensor, dst: Layout) -> None:
     """Every rank must box the same (layout, shape, dtype) to the same destination."""
-    if _step_context.current.get() is not None:
-        return  # inside a pipelined step (NOTE [no agreement in a pipelined step])
+    if not _meta_check.boxing_agreement.get():
+        return  # NOTE [boxing agreement turned off]
     key = (x._layout, dst, tuple(x.shape), x.dtype)
     mine = _boxing_metas.get(key)
     if mine is None:
@@ -150,14 +136,14 @@ _boxing_metas: BoundedDict[Any, _meta_check.RankMeta] = BoundedDict(
 
 
 def box_below_autograd(
-    x: GlobalTensor, dst: Layout, lane: tuple[Hashable, int] | None = None
+    x: GlobalTensor, dst: Layout, transport: executor.Transport | None = None
 ) -> GlobalTensor:
     """``x`` laid out as ``dst`` (same logical value); not differentiable. Every rank calls it.
 
-    A change of placement goes on ``lane`` (NOTE [lanes] in sbpflow/comm/_p2p.py).
+    A change of placement goes through ``transport`` (NOTE [transports] in executor.py).
     """
     boxing_plan = plan(tuple(x.shape), x.dtype, x._layout, dst)
-    local = executor.execute(boxing_plan, x._local, get_rank(), lane)
+    local = executor.execute(boxing_plan, x._local, get_rank(), transport)
     return _global.GlobalTensor(local, dst, x.shape)
 
 
@@ -166,29 +152,20 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: GlobalTensor, dst: Layout, lane: tuple[Hashable, int] | None = None
+        ctx: Any, x: GlobalTensor, dst: Layout, transport: executor.Transport | None = None
     ) -> GlobalTensor:
-        ctx.src, ctx.dst = x._layout, None
-        if lane is None and x.placement != dst.placement:
-            scope = _step_context.current.get()
-            if scope is not None:  # NOTE [transfer hook]
-                ctx.dst = dst
-                lane = ((x.placement, dst.placement), 0)  # its gradient comes back on lane 1
-                scope.transfer_forward(ctx, x, dst)
-        return box_below_autograd(x, dst, lane)
+        ctx.src, ctx.dst, ctx.hooked = x._layout, dst, False
+        if transport is None and x.placement != dst.placement:
+            hooks = _step_context.current.get()
+            if hooks is not None:  # NOTE [crossing hooks]
+                ctx.hooked = True
+                transport = hooks.crossing_forward(ctx, x, dst)
+        return box_below_autograd(x, dst, transport)
 
     @staticmethod
     def backward(ctx: Any, grad: GlobalTensor) -> tuple[GlobalTensor, None, None]:
         grad = _global.as_global_grad(grad, "boxing")
-        scope = _step_context.current.get() if ctx.dst is not None else None
-        if scope is None:
+        hooks = _step_context.current.get() if ctx.hooked else None
+        if hooks is None:
             return Redistribute.apply(grad, ctx.src), None, None
-        lane = ((ctx.src.placement, ctx.dst.placement), 1)
-
-        def move() -> GlobalTensor:  # NOTE [gradients cross in the layout their tensor crossed in]
-            crossed = grad if grad._layout == ctx.dst else Redistribute.apply(grad, ctx.dst)
-            if torch.is_grad_enabled():  # create_graph: the move is part of the graph
-                return Redistribute.apply(crossed, ctx.src, lane)
-            return box_below_autograd(crossed, ctx.src, lane)
-
-        return scope.transfer_backward(ctx, move), None, None
+        return hooks.crossing_backward(ctx, grad), None, None

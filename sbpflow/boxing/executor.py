@@ -7,7 +7,7 @@ ranks never diverge in which collectives they enter.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,21 +22,33 @@ from . import tracing as _trace
 from ._transfer import transfer_pieces
 from .plan import BoxingPlan, BoxingStep
 
+# NOTE [transports]
+# A change of placement hands its messages to a transport: called with the sends
+# ``(peer, tensor)``, the receives ``(peer, buffer)``, the device type and every rank of
+# both placements, it returns once each buffer holds its message (a send may still be in
+# flight, if the transport keeps the tensor alive until it completes). Every rank calls
+# it, with or without pieces to move. The default is ``collectives.exchange`` (one batch
+# on a group of those ranks); a caller that orders its messages itself passes another.
+Transport = Callable[
+    [Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, torch.Tensor]], str, tuple[int, ...]],
+    None,
+]
+
 
 def execute(
-    plan: BoxingPlan, local: torch.Tensor, rank: int, lane: tuple[Hashable, int] | None = None
+    plan: BoxingPlan, local: torch.Tensor, rank: int, transport: Transport | None = None
 ) -> torch.Tensor:
     """Turn this rank's ``local`` piece of ``plan.src`` into its piece of ``plan.dst``.
 
-    ``local`` is never modified in place. Transfers between placements go on
-    ``lane`` (NOTE [lanes] in sbpflow/comm/_p2p.py).
+    ``local`` is never modified in place. Transfers between placements go through
+    ``transport`` (NOTE [transports]).
     """
     owned = False  # whether `local` is a buffer this plan made (safe to reuse)
     ran: list[str] = []
     ran_axes: list[tuple[int, ...]] = []
     for step in plan.steps:
         before = local
-        local, took_part = _run_step(step, plan.shape, local, rank, owned, lane)
+        local, took_part = _run_step(step, plan.shape, local, rank, owned, transport)
         # A slice is a view: of the caller's tensor until some step made a buffer.
         owned = owned or (local is not before and step.op != "slice")
         if took_part:
@@ -59,10 +71,10 @@ def _run_step(
     local: torch.Tensor,
     rank: int,
     owned: bool,
-    lane: tuple[Hashable, int] | None = None,
+    transport: Transport | None = None,
 ) -> tuple[torch.Tensor, bool]:
     if not step.axes:  # send_recv or copy between placements
-        return _run_transfer(step, shape, local, rank, lane), True
+        return _run_transfer(step, shape, local, rank, transport), True
     src, dst = step.src, step.dst
     pl = src.placement
     # One group per combination of the other axes' coordinates; with several
@@ -124,9 +136,9 @@ def _zero(
 # NOTE [transfer routes]
 # What a rank sends and receives in one transfer depends only on the two layouts, the
 # logical shape and the rank: which slices of its piece go to which peers, which boxes
-# arrive from which peers and where they land. A pipelined step makes the same transfers
-# on every micro-batch, so that geometry is worked out once and kept as a ``_Route``; a
-# transfer then only slices, allocates and hands the messages to ``collectives.exchange``.
+# arrive from which peers and where they land. A training loop makes the same transfers
+# step after step, so that geometry is worked out once and kept as a ``_Route``; a
+# transfer then only slices, allocates and hands the messages to its transport.
 # The buffer a rank receives into is filled with zeros first unless one message covers
 # all of it (a partial-sum destination's other ranks keep zeros, NOTE in _transfer.py).
 
@@ -188,7 +200,7 @@ def _run_transfer(
     shape: tuple[int, ...],
     local: torch.Tensor,
     rank: int,
-    lane: tuple[Hashable, int] | None = None,
+    transport: Transport | None = None,
 ) -> torch.Tensor:
     src, dst = step.src, step.dst
     if _functional.traced(local):  # the message only then: describing layouts costs
@@ -216,7 +228,7 @@ def _run_transfer(
         else:
             buffers.append((peer, local.new_empty(box)))
             landing.append((into, buffers[-1][1]))
-    collectives.exchange(sends, buffers, dst.placement.type, route.members, lane)
+    (transport or collectives.exchange)(sends, buffers, dst.placement.type, route.members)
     for into, buffer in landing:
         assert out is not None
         out[into] = buffer

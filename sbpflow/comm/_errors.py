@@ -123,8 +123,8 @@ def _doing() -> str:
 
 
 # How many communications this rank has entered: every collective and point-to-point
-# transfer runs inside ``named``. The pipeline runtime reads it to learn whether a stage
-# held by other ranks needs this rank (NOTE [stages held elsewhere]).
+# transfer runs inside ``named``. A caller reads it before and after a piece of work to
+# learn whether that work needed this rank to communicate.
 _entered = 0
 
 

@@ -10,7 +10,7 @@ its ``Mesh``: NOTE [meshes] in _mesh.py).
 #
 # NOTE [group agreement]
 # torch names a group by how many groups the process made before it, so two
-# ranks that create different groups at the same point (two pipelines built on
+# ranks that create different groups at the same point (two models built on
 # every rank but each called only on its own ranks; a branch on the rank around
 # a global op) would both make "the n-th group" and rendezvous over the same
 # store keys: a connect timeout on some ranks while others go on, or ranks
@@ -20,9 +20,9 @@ its ``Mesh``: NOTE [meshes] in _mesh.py).
 # naming what each rank created and where this rank is. The group's members
 # first wait for each other's entry (they meet in the group's rendezvous
 # anyway; a member that creates none within the collective timeout is named
-# with its last call). The other ranks do not wait: ranks make a group they are
-# not in at different times (a pipeline's lanes are made by its first transfer,
-# which the ranks reach one after another), and a rank that waited for them
+# with its last call). The other ranks do not wait: ranks may make a group they
+# are not in at different times (a group made by a transfer, which the ranks
+# reach one after another), and a rank that waited for them
 # there could wait for a rank that waits for it. So of two ranks that disagree,
 # the later one raises at once; the earlier one raises when it next meets the
 # later one, and never runs on a group made with the wrong peers. A member that
@@ -51,21 +51,21 @@ def backend_for(device_type: str) -> str:
 
 
 def group_of(
-    device_type: str, groups: Sequence[tuple[int, ...]], rank: int, lane: Hashable = None
+    device_type: str, groups: Sequence[tuple[int, ...]], rank: int, tag: Hashable = None
 ) -> tuple[tuple[int, ...], dist.ProcessGroup | None] | None:
     """Create (once) every group in ``groups``; return ``rank``'s group and its handle.
 
     Returns ``None`` when ``rank`` is in none of them. The handle is ``None`` for
-    a group of one rank (nothing to communicate). A ``lane`` other than ``None``
-    asks for a group of its own for the same ranks (NOTE [lanes] in _p2p.py).
+    a group of one rank (nothing to communicate). A ``tag`` other than ``None``
+    asks for a group of its own for the same ranks (NOTE [transfer tags] in _p2p.py).
     """
     ensure_initialized()
     backend = backend_for(device_type)
     mine = None
     for ranks in groups:
-        key = (backend, tuple(ranks), lane)
+        key = (backend, tuple(ranks), tag)
         if key not in _groups:
-            _groups[key] = _new_group(backend, ranks, lane)
+            _groups[key] = _new_group(backend, ranks, tag)
         if rank in ranks:
             mine = (tuple(ranks), _groups[key])
     return mine
@@ -96,24 +96,24 @@ def world_group(device_type: str) -> dist.ProcessGroup | None:
     return found[1]
 
 
-def _new_group(backend: str, ranks: Sequence[int], lane: Hashable) -> dist.ProcessGroup | None:
+def _new_group(backend: str, ranks: Sequence[int], tag: Hashable) -> dist.ProcessGroup | None:
     world_size = dist.get_world_size()
     if len(ranks) == 1 and backend == "gloo":
         return None
     world = tuple(range(world_size))
-    own = lane is not None
+    own = tag is not None
     if not own and backend == "nccl" and tuple(ranks) == world and "nccl" in dist.get_backend():
         return dist.group.WORLD
     # gloo: a group of sbpflow's own even over the whole world, never the default
     # group, which sbpflow cannot free at exit (NOTE [teardown] in _world.py).
-    return new_group(backend, ranks, lane)
+    return new_group(backend, ranks, tag)
 
 
-def new_group(backend: str, ranks: Sequence[int], lane: Hashable = None) -> dist.ProcessGroup:
+def new_group(backend: str, ranks: Sequence[int], tag: Hashable = None) -> dist.ProcessGroup:
     """The one place sbpflow creates a process group: after the ranks agree on it (NOTE
-    [group agreement]). ``lane`` names a group of its own for ranks that have one already
-    (a transfer lane, the checks' control group, the checkpoints' storage group)."""
-    group = _describe(backend, ranks, lane)
+    [group agreement]). ``tag`` names a group of its own for ranks that have one already
+    (a tagged transfer group, the checks' control group, the checkpoints' storage group)."""
+    group = _describe(backend, ranks, tag)
     n = _agree(group, ranks)
     try:
         return owned_group(ranks, backend)
@@ -129,9 +129,9 @@ def new_group(backend: str, ranks: Sequence[int], lane: Hashable = None) -> dist
         ) from error
 
 
-def _describe(backend: str, ranks: Sequence[int], lane: Hashable) -> str:
-    lanes = "" if lane is None else f" (a transfer lane of its own, {lane!r})"
-    return f"a {backend} group of ranks {list(ranks)}{lanes}"
+def _describe(backend: str, ranks: Sequence[int], tag: Hashable) -> str:
+    own = "" if tag is None else f" (a group of its own, {tag!r})"
+    return f"a {backend} group of ranks {list(ranks)}{own}"
 
 
 def _agree(group: str, members: Sequence[int]) -> int | None:
@@ -181,6 +181,6 @@ def _check_same(n: int, group: str) -> None:
             f"sbpflow: the ranks create different groups at the same point ({each}); rank "
             f"{dist.get_rank()} is at {user_site()}. Every rank must make the same sbpflow calls "
             "in the same order (each rank makes every group, members or not): look for a branch "
-            "only some ranks take, e.g. each pipeline called only on its own ranks; call every "
+            "only some ranks take, e.g. each model called only on its own ranks; call every "
             "graph and global op on every rank (the ranks outside a placement skip its work)."
         )

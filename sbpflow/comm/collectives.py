@@ -23,17 +23,14 @@ from . import _functional
 from ._compat import REDUCE_OPS, all_gather_single, reduce_scatter_single
 from ._errors import CollectiveError, named
 from ._meta import all_gather_meta, all_gather_object, gather_objects, same_on_every_rank
-from ._p2p import DeferredSends, Message, Receive, deferred_sends, exchange
+from ._p2p import exchange
 
 Group = tuple[tuple[int, ...], "dist.ProcessGroup | None"]
 
 __all__ = [
     "CollectiveError",
-    "DeferredSends",
     "Group",
-    "Message",
     "PendingCollective",
-    "Receive",
     "all_gather",
     "all_gather_async",
     "all_gather_meta",
@@ -42,7 +39,6 @@ __all__ = [
     "all_reduce_async",
     "all_to_all",
     "broadcast",
-    "deferred_sends",
     "exchange",
     "gather_objects",
     "group_slots",

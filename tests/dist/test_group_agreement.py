@@ -4,11 +4,12 @@ peers or waiting there until gloo's connect timeout.
 
 On 4 ranks:
 - two 2-stage pipelines (ranks 0-1 and ranks 2-3), built on every rank but each called only on
-  its own ranks: the ranks of at least one pipeline raise at their first transfer, naming both
-  groups, and a rank that does not raise has computed its pipeline's loss exactly;
-- a ZBV pipeline of 8 stages (two per rank, in a V), whose ranks make the groups of its
-  transfers at different times (a rank makes the group of two other ranks while those wait
-  for each other's data), trains as plain torch does: the check never waits for a rank
+  its own ranks: the ranks of at least one pipeline raise where their first step makes its
+  lanes, naming both groups, and a rank that does not raise has computed its pipeline's loss
+  exactly;
+- a ZBV pipeline of 8 stages (two per rank, in a V), whose ranks make the lanes between its
+  consecutive stages when its step starts (mostly groups of two other ranks, which the ranks
+  reach at different times), trains as plain torch does: the check never waits for a rank
   outside the group it makes;
 - a group ranks 0-2 make and rank 3 skips: rank 3 raises at once at the next group every rank
   makes; ranks 0-2 raise naming rank 3, at once if rank 3's entry is there when they compare,
@@ -55,7 +56,7 @@ class TwoStages(sbpflow.nn.Graph):
 
 def own_pipelines_only() -> Any:
     """Every rank builds both pipelines; ranks 0-1 call the one on ranks 0-1 and ranks 2-3
-    the one on ranks 2-3 (their first transfers would make their first groups). Returns
+    the one on ranks 2-3 (their first steps would make their first groups). Returns
     the loss on the rank holding the last stage."""
     graphs = [TwoStages((0, 1)), TwoStages((2, 3))]
     batches = [
@@ -140,12 +141,12 @@ def _plain_losses() -> list[float]:
 
 
 def rank_three_skips() -> Any:
-    """Ranks 0-2 make a group of ranks 0-2 that rank 3 skips (a lane of its own, so that it is
+    """Ranks 0-2 make a group of ranks 0-2 that rank 3 skips (a tag of its own, so that it is
     new); then every rank makes a group of all four."""
     rank = sbpflow.env.get_rank()
     if rank != 3:
-        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
-    _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+        _groups.group_of("cpu", [(0, 1, 2)], rank, tag="made by ranks 0-2")
+    _groups.group_of("cpu", [(0, 1, 2, 3)], rank, tag="made by every rank")
     return "made"
 
 
@@ -196,7 +197,7 @@ def test_a_rank_that_skipped_a_group_is_named(pool: DistributedPool) -> None:
     message = _message(skipped)
     assert "the ranks create different groups at the same point" in message, message
     assert "rank 3 creates a gloo group of ranks [0, 1, 2, 3]" in message, message
-    assert "rank 0 creates a gloo group of ranks [0, 1, 2] (a transfer lane" in message, message
+    assert "rank 0 creates a gloo group of ranks [0, 1, 2] (a group of its own" in message, message
     for rank, error in enumerate(others):
         # Rank 3 made its entry before or after this rank compared: named either way.
         message = _message(error)
@@ -221,9 +222,9 @@ def rank_zero_compares_late() -> Any:
         _groups._check_same = late  # type: ignore[assignment]
     if rank == 3:
         time.sleep(1.0)
-        _groups.group_of("cpu", [(0, 1, 2, 3)], rank, lane="made by every rank")
+        _groups.group_of("cpu", [(0, 1, 2, 3)], rank, tag="made by every rank")
     else:
-        _groups.group_of("cpu", [(0, 1, 2)], rank, lane="made by ranks 0-2")
+        _groups.group_of("cpu", [(0, 1, 2)], rank, tag="made by ranks 0-2")
     return "made"
 
 

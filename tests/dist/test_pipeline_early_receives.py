@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
-from sbpflow.comm import collectives
 from sbpflow.comm._errors import CollectiveError
+from sbpflow.nn.pipeline.runtime import _transfers
 from sbpflow.sbp import Broadcast
 from sbpflow.testing import DistributedPool, RemoteError, get_pool
 
@@ -127,13 +127,13 @@ def train_job(schedule: str, early: bool, tied: bool = False) -> dict[str, Any]:
     graph.config.enable_early_receives(early)
     both = sbpflow.placement("cpu", [0, 1])
     posted = [0]
-    original = collectives.DeferredSends.post_early
+    original = _transfers.StepTransfers.post_early
 
     def post_early(self: Any, receives: Any) -> None:
         posted[0] += len(receives)
         original(self, receives)
 
-    collectives.DeferredSends.post_early = post_early  # type: ignore[method-assign]
+    _transfers.StepTransfers.post_early = post_early  # type: ignore[method-assign]
     try:
         losses, per_step = [], []
         for x, y in _batches(rows):
@@ -142,7 +142,7 @@ def train_job(schedule: str, early: bool, tied: bool = False) -> dict[str, Any]:
             losses.append(loss.to_global(both, B).to_local().item())
             per_step.append(posted[0])
     finally:
-        collectives.DeferredSends.post_early = original  # type: ignore[method-assign]
+        _transfers.StepTransfers.post_early = original  # type: ignore[method-assign]
     weights = [p.detach().to_global(both, B).to_local() for p in model.parameters()]
     ref_losses, ref_weights = _reference(tied, rows)
     return {
@@ -212,7 +212,7 @@ def recovering_job(early: bool) -> dict[str, Any]:
     graph.config.enable_early_receives(early)
     graph.fail_at = (_FAILED_STEP + 1) * _M
     posted = [0]
-    original = collectives.DeferredSends.post_early
+    original = _transfers.StepTransfers.post_early
 
     def post_early(self: Any, receives: Any) -> None:
         posted[0] += len(receives)
@@ -220,7 +220,7 @@ def recovering_job(early: bool) -> dict[str, Any]:
 
     out: list[Any] = []
     per_step: list[int] = []
-    collectives.DeferredSends.post_early = post_early  # type: ignore[method-assign]
+    _transfers.StepTransfers.post_early = post_early  # type: ignore[method-assign]
     try:
         for x, y in _batches(steps=4):
             posted[0] = 0
@@ -231,7 +231,7 @@ def recovering_job(early: bool) -> dict[str, Any]:
                 out.append(str(error))
             per_step.append(posted[0])
     finally:
-        collectives.DeferredSends.post_early = original  # type: ignore[method-assign]
+        _transfers.StepTransfers.post_early = original  # type: ignore[method-assign]
     ref_losses, ref_weights = _reference(skipped=_FAILED_STEP, steps=4)
     return {
         "out": out,

@@ -59,63 +59,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "pipeline": "a comment giving stages as an example of a placement no op used",
         "stage": "the same comment",
     },
-    "sbpflow._dispatch": {
-        "sit out": "_SitOut: the fast path of a rank computing no part of an op",
-        "pipeline": "comments: a pipelined step sits out other stages' ops",
-        "stage": "the same comments",
-        "micro-batch": "the same comments",
-    },
-    "sbpflow._global": {
-        "pipeline": "GlobalTensor.backward hands loss.backward() to the step context",
-        "micro-batch": "its docstring",
-        "deferred": "its docstring names NOTE [deferred backward]",
-    },
-    "sbpflow._meta_check": {
-        "pipeline": "NOTE [no agreement in a pipelined step]: the step context skips the check",
-        "micro-batch": "the same note",
-        "stage": "the same note",
-    },
-    "sbpflow._rng": {
-        "pipeline": "NOTE [micro-batch random streams]: one random stream per micro-batch",
-        "stage": "the same note",
-        "micro-batch": "the same note and microbatch_streams",
-    },
-    "sbpflow._step_context": {
-        "pipeline": "the step context the runtime installs (PipelineScope)",
-        "stage": "its note",
-        "micro-batch": "its note",
-        "deferred": "its note names NOTE [deferred backward]",
-    },
-    "sbpflow.boxing._redistribute": {
-        "pipeline": "NOTE [transfer hook]: Redistribute shows each crossing to the step context",
-        "stage": "the same note",
-        "micro-batch": "the same note",
-        "lane": "the crossing's transfer lanes (forward on lane 0, gradient on lane 1)",
-    },
-    "sbpflow.boxing.executor": {
-        "lane": "the lane passed down to the point-to-point exchange",
-        "pipeline": "a comment: a pipelined step repeats the same transfers (_Route cache)",
-        "micro-batch": "the same comment",
-    },
-    "sbpflow.comm._groups": {
-        "lane": "a process group of its own per transfer lane",
-        "pipeline": "comments on when lane groups are made",
-    },
-    "sbpflow.comm._errors": {
-        "pipeline": "communications_entered tells the runtime whether a stage needs this rank",
-        "stage": "the same comment",
-    },
-    "sbpflow.comm._p2p": {
-        "pipeline": "deferred sends and early receives, module state the runtime switches",
-        "stage": "the same",
-        "micro-batch": "the same",
-        "lane": "NOTE [lanes]",
-        "early receive": "early receives are posted here",
-        "deferred": "NOTE [deferred sends]",
-    },
-    "sbpflow.comm.collectives": {
-        "deferred": "re-exports DeferredSends and deferred_sends",
-    },
 }
 
 

@@ -34,7 +34,7 @@ optimizers given to ``add_optimizer`` step once per call::
 # is the record of what this rank ran, with times. Without stages (data or
 # tensor parallelism alone) the micro-batches run one after another through
 # ``build``. Either way micro-batch k draws its random numbers from a stream of
-# its own (NOTE [micro-batch random streams] in sbpflow/_rng.py).
+# its own (NOTE [micro-batch random streams] in runtime/_scope.py).
 
 # NOTE [gradient accumulation]
 # The step's gradient is the mean over micro-batches of each micro-batch

@@ -7,7 +7,7 @@
 # starts, that message has to wait for the sender's gloo thread to write it, and
 # on a busy host that delay (a millisecond or more) lands between two actions
 # on every micro-batch. So a step posts the next action's receives while the
-# current one computes (NOTE [receives posted early] in sbpflow/comm/_p2p.py):
+# current one computes (NOTE [receives posted early] in _transfers.py):
 # once action i has made as many receives as it made in the previous step,
 # action i + 1's receives of that step are posted. The previous step is the
 # latest one with the same schedule, micro-batch shapes, grad mode, autocast,
@@ -31,11 +31,11 @@ from typing import Any
 from torch.utils._pytree import tree_flatten
 
 from ....comm._world import get_rank
-from ....comm.collectives import DeferredSends, Receive
 from ._held_elsewhere import call_key
 from ._held_here import tensor_state
 from ._microbatch import MicroBatchArgs
 from ._stages import Stage
+from ._transfers import Receive, StepTransfers
 
 __all__ = ["EarlyReceives", "StepReceives"]
 
@@ -52,7 +52,7 @@ class EarlyReceives:
 
     def start(
         self,
-        sends: DeferredSends,
+        sends: StepTransfers,
         schedule: Any,
         microbatches: Sequence[MicroBatchArgs],
         stages: Sequence[Stage],
@@ -83,7 +83,7 @@ class StepReceives:
         self,
         owner: EarlyReceives,
         key: Any,
-        sends: DeferredSends,
+        sends: StepTransfers,
         previous: list[list[Receive]] | None,
     ) -> None:
         self._owner, self._key, self._sends, self._previous = owner, key, sends, previous

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ....comm import collectives
 from ..schedules import Action, ActionKind, ActionTiming, Message
 from ._stages import Stage
+from ._transfers import Message as Transfer
 
 __all__ = ["Recorder"]
 
@@ -18,13 +18,13 @@ class Recorder:
         self.rank = rank
         self.timings: list[ActionTiming] = []
         self.messages: list[Message] = []
-        self._pending: list[collectives.Message] = []
+        self._pending: list[Transfer] = []
         # A peer as the schedule names it: the first rank of its stage's placement.
         self._holder = {
             r: stage.placement.flat_ranks[0] for stage in stages for r in stage.placement.flat_ranks
         }
 
-    def observe(self, message: collectives.Message) -> None:
+    def observe(self, message: Transfer) -> None:
         self._pending.append(message)
 
     def add(self, action: Action, start: float, end: float) -> None:

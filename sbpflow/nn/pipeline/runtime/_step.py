@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from ....comm import collectives
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind, Schedule, StepRecord
 from ._early import EarlyReceives
@@ -48,6 +47,7 @@ from ._passes import Build, run_backward, run_forward, run_input_gradients, run_
 from ._recorder import Recorder
 from ._scope import MicroBatch, Phase, Scope
 from ._stages import Stage
+from ._transfers import make_lanes, step_transfers
 from ._workers import run_on_workers
 
 __all__ = ["compute_order", "run_step"]
@@ -89,18 +89,19 @@ def run_step(
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
     ]
     recorder = Recorder(rank, stages)
+    make_lanes(stages)  # NOTE [lanes] in _transfers.py: before any action, on every rank
     with (
         _released(mbs),
         held_elsewhere.installed(stages, rank),
         held_here.installed(stages, rank),
         _collector_paused(),  # NOTE [no garbage collection inside a step]
-        collectives.deferred_sends(recorder.observe) as sends,
+        step_transfers(recorder.observe) as sends,  # NOTE [deferred sends] in _transfers.py
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
         if len(held) > 1:
-            run_on_workers(todo, mbs, build, held, stages, recorder)
+            run_on_workers(todo, mbs, build, held, stages, recorder, sends)
         else:
-            scopes = [Scope(mb) for mb in mbs]
+            scopes = [Scope(mb, sends) for mb in mbs]
             for mb, scope in zip(mbs, scopes, strict=True):
                 scope.enter(mb.context)
             receives = early_receives.start(sends, schedule, microbatches, stages)

@@ -51,6 +51,7 @@ from ._passes import Build, run_backward, run_forward, run_input_gradients, run_
 from ._recorder import Recorder
 from ._scope import MicroBatch, Phase, Scope
 from ._stages import Stage
+from ._transfers import StepTransfers
 
 __all__ = ["Baton", "Task", "run_on_workers"]
 
@@ -213,6 +214,7 @@ def run_on_workers(
     held: tuple[int, ...],
     stages: Sequence[Stage],
     recorder: Recorder,
+    transfers: StepTransfers,
 ) -> None:
     """Several stages on this rank: grant each worker its actions in order (NOTE [several stages on a rank])."""
     baton = Baton()
@@ -243,7 +245,7 @@ def run_on_workers(
         task.scope.mb.release()
 
     def task_for(mb: MicroBatch, body: Callable[[Task], None], phase: Phase) -> Task:
-        scope = TaskScope(mb, workers)
+        scope = TaskScope(mb, transfers, workers)
         scope.phase = phase
         scope.task = task = Task(scope, body)
         return task

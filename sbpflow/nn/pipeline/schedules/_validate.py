@@ -14,7 +14,7 @@ is raised as a ``ValueError``:
   7. fifo        between two ranks, the activations (and the gradients) are received
                  in the order they are sent: the runtime's transfers are matched per
                  pair and lane in posting order (NOTE [deferred sends] and [lanes] in
-                 sbpflow/comm/_p2p.py), with no tag to tell them apart
+                 nn/pipeline/runtime/_transfers.py), with no tag to tell them apart
 """
 
 from __future__ import annotations
