@@ -33,8 +33,9 @@ CONCEPTS = {
     "deferred": r"defer",
 }
 
-# module -> {concept: why it is still there}. Each entry is debt of issue 36 ("core, boxing and
-# comm modules contain no pipeline branches") unless its reason says otherwise.
+# module -> {concept: why it is still there}. None is a pipeline branch: the public face of
+# sbpflow.nn, words of other meanings, and comments or an error message that name the pipeline
+# to explain a general behaviour to the reader or to the user.
 ALLOWED: dict[str, dict[str, str]] = {
     "sbpflow.nn": {
         "import": "the package's public face: sbpflow.nn.pipeline, Graph, Block",
