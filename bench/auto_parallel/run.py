@@ -1,7 +1,10 @@
 """Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
 
-One run spawns 2 gloo ranks on this machine. Every rank plans with
-``sbpflow.auto_parallel`` (default constants, AdamW state counted) and trains with AdamW,
+One run spawns 2 gloo ranks on this machine. Every rank plans with ``sbpflow.auto_parallel``
+(default prices, AdamW state counted), measures the machine's prices
+(``sbpflow.boxing.calibrate`` for the collectives, ``calibrate_compute`` for compute; rank
+0's numbers shared) and prices the plan's parameter and input layouts with them for the
+predicted step, and trains with AdamW,
 one step at a time (zero_grad, forward, mean-square loss of the output, backward,
 optimizer.step). Four comparisons, each its variants interleaved:
 
@@ -17,13 +20,16 @@ optimizer.step). Four comparisons, each its variants interleaved:
 - ``dp``: 4 blocks 64 -> 256 -> 64 and 4096 rows, nothing fixed, no budget: the plan vs hand
   data parallelism (parameters broadcast, batch ``split(0)``).
 - ``fsdp``: the same model with a budget below the replicated plan's predicted footprint
-  (45% of its parameter, gradient and optimizer-state bytes taken off: sharding them all over 2 ranks saves 50%): the plan vs sbpflow
+  (20% of its parameter, gradient and optimizer-state bytes taken off: sharding them all
+  over 2 ranks saves 50%, less the gathered weights autograd keeps for the backward, 25%):
+  the plan vs sbpflow
   ``fully_shard`` (each block, then the root; batch ``split(0)``).
 
-Measured per variant: the median step (the slower rank's) and the bytes one rank holds in
-parameters, gradients and optimizer state after a step (local pieces, the larger rank's).
-Activations are not measured: the predicted peak (which counts every activation autograd
-may keep) is shown next to the measured state bytes and the predicted state bytes. Every
+Measured per variant: the median step (the slower rank's), the collectives one step ran
+(``sbpflow.boxing.trace``; DTensor's are not traced), the peak bytes of one step (the CPU
+allocator's largest net growth during the step, from torch.profiler's memory events, on
+top of what the rank holds at its start) and the bytes one rank holds in parameters,
+gradients and optimizer state after a step (local pieces, the larger rank's). Every
 variant's first loss must equal one plain process's.
 
 Usage (from the repository root)::
@@ -37,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +67,7 @@ import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._global import GlobalTensor  # noqa: E402
+from sbpflow.auto_parallel import calibrate_compute  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -67,6 +76,8 @@ WARMUP = 2
 PLAN = "auto_parallel plan"
 START, END = "<!-- bench:auto_parallel:start -->", "<!-- bench:auto_parallel:end -->"
 CASES = ("mlp", "llama", "dp", "fsdp")
+# collective block sizes the calibration times: the bench's tensors are 4 KiB to 2 MiB
+CALIBRATION_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 
 
 class Block(nn.Module):
@@ -165,7 +176,56 @@ def _dtensor(model: nn.Module, plan: dict[str, Any]) -> nn.Module:
     return parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
 
 
-def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
+def _peak_bytes(step: Any, inputs: Any) -> float:
+    """This rank's peak bytes in one step: what it holds at the start (parameters,
+    optimizer state, the batch; gradients are cleared first, as the step's zero_grad would)
+    plus the CPU allocator's largest net growth during the step, read from torch.profiler's
+    memory events ("Total Allocated", taken from its value before the step's first event:
+    the profiler keeps counting across sessions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step.optimizer.zero_grad()
+    start = _state_bytes(step) + sum(_local_bytes(x) for x in _leaves(inputs))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and "Total Allocated" in e["args"]),
+        key=lambda e: e["ts"],
+    )
+    if not memory:
+        return start
+    base = float(memory[0]["args"]["Total Allocated"]) - float(memory[0]["args"]["Bytes"])
+    return start + max(0.0, *(float(e["args"]["Total Allocated"]) - base for e in memory))
+
+
+def _local_bytes(t: torch.Tensor) -> float:
+    if isinstance(t, (GlobalTensor, DTensor)):
+        t = t.to_local()
+    return float(t.numel() * t.element_size())
+
+
+def _leaves(inputs: Any) -> list[torch.Tensor]:
+    return [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+
+
+def _calibrated(placement: Any) -> tuple[Any, Any]:
+    """This machine's collective and compute prices, measured once per run on every rank
+    (rank 0's broadcast); the runtime's own boxing keeps the default constants."""
+    from sbpflow.boxing import cost
+
+    collectives = sbpflow.boxing.calibrate(placement, sizes=CALIBRATION_SIZES, save=False)
+    cost.reset()
+    return collectives.model, calibrate_compute(placement)
+
+
+def _variants(
+    case: str, prices: tuple[Any, Any]
+) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
     """The step of each variant, and what to report: the plan's predictions, the losses."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -182,22 +242,40 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
     if case == "fsdp":
         replicated = sbpflow.auto_parallel(base, placement, x)
         state = replicated.memory.peak - replicated.memory.activations
-        budget = replicated.memory.peak - 0.45 * state  # under the replicated footprint
-    plan = sbpflow.auto_parallel(base, placement, x, fixed=fixed, memory_budget=budget)
+        budget = replicated.memory.peak - 0.2 * state  # under the replicated footprint
+    plan = sbpflow.auto_parallel(
+        base,
+        placement,
+        x,
+        fixed=fixed,
+        memory_budget=budget,
+    )
+    # the same parameter and input layouts priced with this machine's measured constants
+    pins: dict[Any, Any] = dict(plan.param_sbp)
+    pins.update(enumerate(plan.input_sbp))
+    calibrated = sbpflow.auto_parallel(
+        base, placement, x, fixed=pins, cost_model=prices[0], compute_model=prices[1]
+    )
     planned = plan.apply(copy.deepcopy(base))
     gx = x.to_global(*whole).to_global(sbp=plan.input_sbp[0])
     steps = {PLAN: _step_fn(planned, gx)}
+    batches = {PLAN: gx}
     if case == "mlp":
         hand = copy.deepcopy(base).to_global(*whole).to_global(placement, megatron_mlp)
-        steps["sbpflow hand Megatron"] = _step_fn(hand, x.to_global(*whole))
+        batches["sbpflow hand Megatron"] = x.to_global(*whole)
+        steps["sbpflow hand Megatron"] = _step_fn(hand, batches["sbpflow hand Megatron"])
         tp = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         dt = copy.deepcopy(base)
         for block in dt:
             _dtensor(block, tp)
         steps["DTensor parallelize_module"] = _step_fn(dt, x)
+        batches["DTensor parallelize_module"] = x
     elif case == "llama":
         hand = copy.deepcopy(base).to_global(*whole).to_global(placement, torchtitan_llama)
-        steps["sbpflow hand torchtitan layout"] = _step_fn(hand, x.to_global(*whole))
+        batches["sbpflow hand torchtitan layout"] = x.to_global(*whole)
+        steps["sbpflow hand torchtitan layout"] = _step_fn(
+            hand, batches["sbpflow hand torchtitan layout"]
+        )
         dt = copy.deepcopy(base)
         for layer in dt.model.layers:
             _dtensor(
@@ -213,11 +291,11 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
                 },
             )
         steps["DTensor parallelize_module (torchtitan plan)"] = _step_fn(dt, x)
+        batches["DTensor parallelize_module (torchtitan plan)"] = x
     elif case == "dp":
         hand = copy.deepcopy(base).to_global(*whole)
-        steps["sbpflow hand data parallel"] = _step_fn(
-            hand, x.to_global(*whole).to_global(sbp=split(0))
-        )
+        batches["sbpflow hand data parallel"] = x.to_global(*whole).to_global(sbp=split(0))
+        steps["sbpflow hand data parallel"] = _step_fn(hand, batches["sbpflow hand data parallel"])
     else:
         from sbpflow.nn.parallel import fully_shard
 
@@ -225,9 +303,8 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
         for block in sharded:
             fully_shard(block, placement)
         fully_shard(sharded, placement)
-        steps["sbpflow fully_shard"] = _step_fn(
-            sharded, x.to_global(*whole).to_global(sbp=split(0))
-        )
+        batches["sbpflow fully_shard"] = x.to_global(*whole).to_global(sbp=split(0))
+        steps["sbpflow fully_shard"] = _step_fn(sharded, batches["sbpflow fully_shard"])
     want = float(_output(base(x)).pow(2).mean())
     losses = {name: float(step()) for name, step in steps.items()}  # step 1 of each, untimed
     memory = plan.memory
@@ -235,27 +312,47 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
         "want": want,
         "losses": losses,
         "predicted_ms": plan.step_seconds * 1e3,
+        "calibrated_ms": calibrated.step_seconds * 1e3,
         "predicted_peak": memory.peak,
         "predicted_state": memory.parameters + memory.gradients + memory.optimizer_state,
         "budget": budget,
         "layouts": sorted({str(s) for s in plan.param_sbp.values()}),
+        "collectives": _count(c for c in plan.collectives() if c.is_collective),
+        "batches": batches,
     }
     return steps, record
+
+
+def _count(ops: Any) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for c in ops:
+        op = c if isinstance(c, str) else c.op
+        found[op] = found.get(op, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> None:
     join_world(rank, WORLD, port)
     warnings.filterwarnings("ignore")
     results = {}
+    placement = sbpflow.placement("cpu", list(range(WORLD)))
+    prices = _calibrated(placement)
     for case in cases:
-        steps, record = _variants(case)
+        steps, record = _variants(case, prices)
         times, _cpu = interleaved_step_times(steps, WARMUP, reps)
-        held = {}
+        held, peak, ran = {}, {}, {}
+        batches = record.pop("batches")
         for name, step in steps.items():
-            mine = torch.tensor([_state_bytes(step)], dtype=torch.float64)
+            with sbpflow.boxing.trace() as traced:
+                step()
+            ran[name] = _count(traced.collectives().elements())
+            mine = torch.tensor(
+                [_state_bytes(step), _peak_bytes(step, batches[name])], dtype=torch.float64
+            )
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            held[name] = mine.item()
-        record["held"] = held
+            held[name], peak[name] = mine.tolist()
+        record.update(held=held, peak=peak, ran=ran)
+        record["compute_model"] = str(prices[1])
         results[case] = (times, record)
     if rank == 0:
         queue.put(results)
@@ -269,6 +366,10 @@ def _one_run(cases: list[str], reps: int) -> dict[str, Any]:
         _worker, args=(free_port(), cases, reps, queue), nprocs=WORLD, start_method="spawn"
     )
     return queue.get()
+
+
+def _ops(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {op}" for op, n in counts.items()) or "none"
 
 
 def _mib(n: float) -> str:
@@ -296,30 +397,38 @@ def main() -> None:
             for name, ms in times.items():
                 medians.setdefault(name, []).append(statistics.median(ms))
         step = {name: statistics.median(ms) for name, ms in medians.items()}
+        peaks = {name: statistics.median(r[case][1]["peak"][name] for r in runs) for name in step}
+        predicted_ms = statistics.median(r[case][1]["calibrated_ms"] for r in runs)
         best_hand = min(v for k, v in step.items() if k != PLAN)
         rows = [
             f"### {case}",
             "",
             f"Plan: parameter layouts {', '.join(record['layouts'])}; predicted step "
-            f"{record['predicted_ms']:.1f} ms, predicted peak {_mib(record['predicted_peak'])} "
+            f"{record['predicted_ms']:.1f} ms by the default prices, {predicted_ms:.1f} ms by "
+            f"this machine's (median over runs), predicted peak {_mib(record['predicted_peak'])} "
             f"MiB per rank, of which parameters, gradients and optimizer state "
             f"{_mib(record['predicted_state'])} MiB"
-            + (f"; budget {_mib(record['budget'])} MiB." if record["budget"] else "."),
+            + (f"; budget {_mib(record['budget'])} MiB." if record["budget"] else ".")
+            + f" Predicted collectives per step: {_ops(record['collectives'])}.",
             "",
             "| variant | median step ms (median of runs) | each run's median ms | / plan | "
-            "measured parameter + gradient + optimizer state MiB per rank |",
-            "|---|---|---|---|---|",
+            "collectives per step (rank 0) | measured peak MiB per rank | "
+            "parameter + gradient + optimizer state MiB per rank |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name, ms in step.items():
             each = ", ".join(f"{m:.0f}" for m in medians[name])
             rows.append(
                 f"| {name} | {ms:.1f} | {each} | {ms / step[PLAN]:.2f} | "
+                f"{_ops(record['ran'][name])} | {_mib(peaks[name])} | "
                 f"{_mib(record['held'][name])} |"
             )
         rows += [
             "",
             f"Plan over the best hand variant: {step[PLAN] / best_hand:.2f}x; predicted over "
-            f"measured step: {record['predicted_ms'] / step[PLAN]:.2f}x; predicted over measured "
+            f"measured step (measured prices): {predicted_ms / step[PLAN]:.2f}x; predicted "
+            "over measured peak "
+            f"memory: {record['predicted_peak'] / peaks[PLAN]:.2f}x; predicted over measured "
             f"state bytes: {record['predicted_state'] / record['held'][PLAN]:.2f}x.",
             "",
         ]
@@ -338,7 +447,15 @@ def main() -> None:
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
-            "the output. See bench/auto_parallel/run.py for the cases.",
+            "the output. Each run measures this machine's prices on every rank "
+            "(`sbpflow.boxing.calibrate` over 4 KiB-4 MiB blocks, "
+            "`sbpflow.auto_parallel.calibrate_compute`); the plans are made with the "
+            "default prices (deterministic), and the predicted step is their layouts "
+            "priced with the measured ones, median over runs. Measured peak: the CPU allocator's largest "
+            "net growth during one step (torch.profiler memory events) on top of the "
+            "parameters, optimizer state and batch held at its start (gradients cleared "
+            "first), the larger rank's; DTensor's collectives are not traced. "
+            "See bench/auto_parallel/run.py for the cases.",
             "",
             f"Reproduce: `python bench/auto_parallel/run.py --runs {args.runs} --reps "
             f"{args.reps} --out {args.out}`",

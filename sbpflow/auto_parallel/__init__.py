@@ -9,6 +9,7 @@ boxes where the plan says. See docs/auto-parallel.md.
 """
 
 from ._api import auto_parallel
+from ._calibrate import calibrate_compute
 from ._costs import ComputeModel
 from ._follow import unfollow
 from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
@@ -22,5 +23,6 @@ __all__ = [
     "ParamLayout",
     "Plan",
     "auto_parallel",
+    "calibrate_compute",
     "unfollow",
 ]

@@ -5,11 +5,18 @@
 # the boxing planner with ``CostModel.default(backend)`` (not the job's calibrated model)
 # unless a cost model is passed explicitly, and compute by the roofline of ``ComputeModel``:
 # ``max(flops / flops_per_second, bytes / bytes_per_second)`` times the share of the op one
-# rank does. The backward of an op costs twice its forward.
+# rank does, plus ``op_seconds`` for running the op at all (eager dispatch: Python, layout
+# propagation, the autograd node), which every rank pays whatever its share. The backward
+# of an op costs twice its forward's roofline and one more ``op_seconds``. Each boxing step
+# costs its collective (the boxing planner's price) plus ``op_seconds``: issuing it is eager
+# work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
+# then an all_gather) the one with fewer steps is cheaper. ``calibrate_compute`` measures
+# the three rates on this machine; plans use them only when they are passed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,18 +38,39 @@ BACKWARD_FACTOR = 2.0  # a backward costs about twice its forward (two matmuls p
 
 @dataclass(frozen=True)
 class ComputeModel:
-    """Roofline of one device: floating-point operations and memory bytes per second."""
+    """Roofline of one device: floating-point operations and memory bytes per second, and
+    the fixed seconds of running one op or one boxing step eagerly (NOTE [default prices])."""
 
     flops_per_second: float
     bytes_per_second: float
+    op_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_second", "bytes_per_second", "op_seconds"):
+            value = getattr(self, name)
+            positive = name != "op_seconds"
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (positive and value == 0)
+            ):
+                want = "a positive" if positive else "a non-negative"
+                raise ValueError(
+                    f"ComputeModel.{name} must be {want} finite number, got {value!r}; "
+                    "e.g. ComputeModel(100e9, 20e9, 50e-6), or sbpflow.auto_parallel."
+                    "calibrate_compute() to measure this machine."
+                )
 
     @staticmethod
     def default(device_type: str) -> ComputeModel:
-        # Round numbers, not measurements: a few-core CPU (~100 GFLOP/s, ~20 GB/s) and a
-        # data-centre GPU (~400 TFLOP/s dense bf16/tf32, ~2 TB/s HBM).
+        # Round numbers, not measurements: a few-core CPU (~100 GFLOP/s, ~20 GB/s, ~50 us of
+        # eager work per op on a global tensor) and a data-centre GPU (~400 TFLOP/s dense
+        # bf16/tf32, ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python).
         if device_type == "cuda":
-            return ComputeModel(400e12, 2e12)
-        return ComputeModel(100e9, 20e9)
+            return ComputeModel(400e12, 2e12, 20e-6)
+        return ComputeModel(100e9, 20e9, 50e-6)
 
 
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -106,16 +134,20 @@ class Prices:
             result = boxing_plan(
                 shape, dtype, (self.placement, src), (self.placement, dst), self.cost_model
             )
-            found = (result.cost, result.steps)
+            extra = self.compute.op_seconds  # issuing each step eagerly
+            steps = tuple(dataclasses.replace(s, cost=s.cost + extra) for s in result.steps)
+            found = (result.cost + extra * len(steps), steps)
             self._boxing[key] = found
         return found
 
     def compute_seconds(self, node: Node, strategy: Strategy) -> float:
         """Forward and (when the op needs gradients) backward compute of one rank."""
-        flops, num_bytes = op_flops(node)
-        if not flops and not num_bytes:
+        if node.kind != "op":
             return 0.0
+        flops, num_bytes = op_flops(node)
         forward = strategy.fraction * max(
             flops / self.compute.flops_per_second, num_bytes / self.compute.bytes_per_second
         )
-        return forward * (1.0 + BACKWARD_FACTOR) if node.requires_grad else forward
+        if not node.requires_grad:
+            return forward + self.compute.op_seconds
+        return forward * (1.0 + BACKWARD_FACTOR) + 2.0 * self.compute.op_seconds

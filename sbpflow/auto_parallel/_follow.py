@@ -17,6 +17,13 @@
 #
 # A boundary applies when the module's call has as many tensor leaves as when the step was
 # captured and the tensor has the captured shape; otherwise the tensor is left as it is.
+#
+# Hooks cost eager work on every call (flattening the arguments, a Function per tensor), so
+# the first training step also notes which boundaries acted: boxed a tensor forward, or a
+# gradient backward. When the model is next called after a backward has run through the
+# boundaries, the hooks of every module none of whose boundaries acted are removed: there
+# propagation already lays out the step as planned, and it makes the same decisions from
+# the same layouts on every later step. Modules that did act keep their hooks.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from ..placement import Placement
 if TYPE_CHECKING:  # _plan imports this module when a plan is applied
     from ._plan import Boundary
 
-__all__ = ["follow", "unfollow"]
+__all__ = ["follow", "followed_modules", "unfollow"]
 
 _HANDLES = "_sbpflow_plan_hooks"
 
@@ -45,8 +52,11 @@ class _Follow(torch.autograd.Function):
     """Forward: box to the planned layout. Backward: box the gradient to the planned one."""
 
     @staticmethod
-    def forward(ctx: Any, x: GlobalTensor, dst: Layout, grad: Layout) -> GlobalTensor:
+    def forward(
+        ctx: Any, x: GlobalTensor, dst: Layout, grad: Layout, seen: Any = None
+    ) -> GlobalTensor:
         ctx.grad = grad
+        ctx.seen = seen
         # a new tensor even when nothing moves: an input returned as is would be a view of
         # it, and the propagation's gradient hooks would go on its base (NOTE [gradient plan])
         if x._layout.normalized() == dst:
@@ -54,11 +64,14 @@ class _Follow(torch.autograd.Function):
         return box_below_autograd(x, dst)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad = as_global_grad(grad, "a module boundary of an auto_parallel plan")
-        if grad._layout.normalized() != ctx.grad:
+        moved = grad._layout.normalized() != ctx.grad
+        if moved:
             grad = Redistribute.apply(grad, ctx.grad)
-        return grad, None, None
+        if ctx.seen is not None:
+            ctx.seen(moved)
+        return grad, None, None, None
 
 
 class _Boundaries:
@@ -75,6 +88,18 @@ class _Boundaries:
         # tensors a boundary made, with its layouts: the next boundary with the same ones
         # (a module's output handed to the next module) adds nothing
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # the first step's record: modules whose boundaries boxed something, and whether a
+        # backward ran through any boundary (None once the idle hooks are removed)
+        self.acted: set[str] | None = set()
+        self.backward_seen = False
+
+    def _seen(self, module: str) -> Any:
+        def seen(moved: bool) -> None:
+            self.backward_seen = True
+            if moved and self.acted is not None:
+                self.acted.add(module)
+
+        return seen
 
     def box(self, value: Any, key: tuple[str, str]) -> Any:
         table = self.tables[key]
@@ -90,9 +115,13 @@ class _Boundaries:
                 or self.made.get(x) == (dst, grad)
             ):
                 continue
+            moved = x._layout.normalized() != dst
+            if moved and self.acted is not None:
+                self.acted.add(key[0])
             if x.requires_grad and torch.is_grad_enabled() and grad is not None:
-                x = _Follow.apply(x, dst, grad)
-            elif x._layout.normalized() != dst:
+                seen = None if self.acted is None else self._seen(key[0])
+                x = _Follow.apply(x, dst, grad, seen)
+            elif moved:
                 x = x.to_global(sbp=dst.sbp)
             self.made[x] = (dst, grad)
             leaves[position] = x
@@ -103,24 +132,52 @@ def follow(model: torch.nn.Module, placement: Placement, boundaries: Sequence[Bo
     """Install the boundary hooks on ``model``'s modules (replacing earlier ones)."""
     unfollow(model)
     state = _Boundaries(placement, boundaries)
-    handles = []
+    by_module: dict[str, list[Any]] = {}
     for name, module in model.named_modules():
         if (name, "input") in state.tables:
 
-            def pre(_m: Any, args: Any, kwargs: Any, key: tuple = (name, "input")) -> Any:
+            def pre(_m: Any, args: Any, kwargs: Any = None, key: tuple = (name, "input")) -> Any:
+                if kwargs is None:  # removed by ``prune`` while the root's call was starting
+                    return None
                 return state.box((args, kwargs), key)
 
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            by_module.setdefault(name, []).append(
+                module.register_forward_pre_hook(pre, with_kwargs=True)
+            )
         if (name, "output") in state.tables:
 
             def post(_m: Any, _a: Any, out: Any, key: tuple = (name, "output")) -> Any:
                 return state.box(out, key)
 
-            handles.append(module.register_forward_hook(post))
-    model.__dict__[_HANDLES] = handles
+            by_module.setdefault(name, []).append(module.register_forward_hook(post))
+
+    def prune(_m: Any, _args: Any) -> None:
+        if state.acted is None or not state.backward_seen:
+            return  # the first step has not finished its backward yet
+        for name in [n for n in by_module if n not in state.acted]:
+            for handle in by_module.pop(name):
+                handle.remove()
+        state.acted = None
+        pruner.remove()
+
+    # runs before the boundary hooks of the root (registered after them, but prepended)
+    pruner = model.register_forward_pre_hook(prune, prepend=True)
+    model.__dict__[_HANDLES] = (by_module, pruner)
 
 
 def unfollow(model: torch.nn.Module) -> None:
     """Remove the hooks ``Plan.apply`` installed on ``model`` (no-op if none)."""
-    for handle in model.__dict__.pop(_HANDLES, ()):
-        handle.remove()
+    installed = model.__dict__.pop(_HANDLES, None)
+    if installed is None:
+        return
+    by_module, pruner = installed
+    for handles in by_module.values():
+        for handle in handles:
+            handle.remove()
+    pruner.remove()
+
+
+def followed_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules whose boundaries ``model`` still follows (hooks installed)."""
+    installed = model.__dict__.get(_HANDLES)
+    return [] if installed is None else sorted(installed[0])

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
+from sbpflow.auto_parallel import ComputeModel
+from sbpflow.auto_parallel._follow import followed_modules
 from sbpflow.sbp import broadcast, sbp_str
 from sbpflow.testing import get_pool
 
@@ -46,15 +48,20 @@ def _ran(forward: Any, backward: Any) -> dict[tuple[str, str], int]:
 
 
 def plan_and_train_job(case: str) -> dict[str, Any]:
-    """``megatron``: bench/tp's blocks, the batch pinned broadcast; ``data``: small blocks and
-    a wide batch, nothing pinned."""
+    """``megatron``: bench/tp's blocks, the batch pinned broadcast, priced with no eager cost
+    per boxing step (so the plan is sequence parallel); ``megatron_default``: the same with
+    the default prices; ``data``: small blocks and a wide batch, nothing pinned."""
     placement = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    dim, inner, rows = (256, 1024, 512) if case == "megatron" else (32, 64, 4096)
+    tensor_parallel = case.startswith("megatron")
+    dim, inner, rows = (256, 1024, 512) if tensor_parallel else (64, 256, 4096)
     reference = nn.Sequential(Block(dim, inner), Block(dim, inner))
     x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
-    fixed = {0: broadcast} if case == "megatron" else None
-    plan = sbpflow.auto_parallel(reference, placement, x, fixed=fixed, optimizer="sgd")
+    fixed = {0: broadcast} if tensor_parallel else None
+    compute = ComputeModel(100e9, 20e9) if case == "megatron" else None
+    plan = sbpflow.auto_parallel(
+        reference, placement, x, fixed=fixed, optimizer="sgd", compute_model=compute
+    )
     model = copy.deepcopy(reference)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before apply: the same parameters
     assert plan.apply(model) is model
@@ -66,7 +73,7 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         loss.backward()
     propagated = _ran(forward, backward)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses, ran = [], []
+    losses, ran, followed = [], [], []
     for _ in range(_STEPS):
         want = reference(x).pow(2).mean()
         want.backward()
@@ -74,6 +81,7 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         opt_ref.zero_grad()
         with sbpflow.boxing.trace() as forward:
             loss = model(gx).pow(2).mean()
+        followed.append(followed_modules(model))
         with sbpflow.boxing.trace() as backward:
             loss.backward()
         opt.step()
@@ -101,6 +109,7 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         "propagated": propagated,
         "predicted": dict(predicted),
         "parameter_reductions": parameter_reductions,
+        "followed": followed,
     }
 
 
@@ -145,6 +154,23 @@ def test_megatron_plan_trains_like_one_process() -> None:
         elif name.endswith("down.weight"):
             megatron[name] = "S(1)"
     assert got["layouts"] == megatron
+    # the boundaries that box (around each block) stay followed on every step
+    assert got["followed"][0] and got["followed"][1] == got["followed"][2], got["followed"]
+    assert got["followed"][1], got["followed"]
+
+
+def test_boundaries_that_never_box_stop_being_followed() -> None:
+    """With the default prices (an eager cost per boxing step) the Megatron plan all-reduces
+    each block's partial output, as propagation alone does. The first step watches every
+    boundary; from the second on, only the modules whose boundaries boxed keep their hooks
+    (each ``down``, whose output is reduced, and each ``norm``, whose input gradient is),
+    and steps 2 and 3 still run exactly the plan's collectives and equal one process."""
+    got = _check(get_pool(2).run(plan_and_train_job, "megatron_default"))
+    assert got["propagated"] == got["predicted"], got
+    _assert_follows(got)
+    first, later = got["followed"][0], got["followed"][1:]
+    assert {"", "0", "0.up", "1", "1.up"} <= set(first), first  # the first step is watched
+    assert later == [["0.down", "0.norm", "1.down", "1.norm"]] * 2, got["followed"]
 
 
 def test_data_parallel_plan_trains_like_one_process() -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
-from sbpflow.auto_parallel import Plan
+from sbpflow.auto_parallel import ComputeModel, Plan, calibrate_compute
 from sbpflow.sbp import broadcast, split
 
 B = broadcast
@@ -339,6 +339,57 @@ def test_boundaries_box_a_blocks_output_where_the_plan_reads_it() -> None:
         assert down.grad_sbp == (B,) and down.shape == (512, 256)
     follow(model, placement, plan.boundaries)
     hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert hooked == len({(b.module, b.where) for b in plan.boundaries})
+    # one hook per module input and output laid out, and the root's pruning pre-hook
+    assert hooked == len({(b.module, b.where) for b in plan.boundaries}) + 1
     unfollow(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_an_eager_cost_per_boxing_step_prefers_fewer_steps() -> None:
+    """Megatron blocks, batch broadcast: a reduce_scatter then an all_gather move the same
+    bytes as one all_reduce, and save the norms half their compute (sequence parallel).
+    Priced by bytes alone (``op_seconds=0``) the plan takes them; with an eager cost per
+    boxing step it all-reduces, as the hand layout does, with one boxing step per block and
+    direction, each priced above that cost."""
+    model = _mlp_model(blocks=2)
+    placement = sbpflow.placement("cpu", [0, 1])
+    x = torch.randn(512, 256)
+    bytes_only = ComputeModel(100e9, 20e9, 0.0)
+    eager = ComputeModel(100e9, 20e9, 200e-6)
+    sequence = sbpflow.auto_parallel(model, placement, x, fixed={0: B}, compute_model=bytes_only)
+    plan = sbpflow.auto_parallel(model, placement, x, fixed={0: B}, compute_model=eager)
+    assert "reduce_scatter" in {c.op for c in sequence.collectives()}
+    ran = [(c.phase, c.op) for c in plan.collectives() if c.is_collective]
+    assert sorted(ran) == [("backward", "all_reduce")] * 2 + [("forward", "all_reduce")] * 2
+    assert plan.param_sbp == _hand(_megatron_mlp, model, 1)
+    steps = plan.collectives()
+    assert abs(plan.boxing_seconds - sum(c.seconds for c in steps)) <= 1e-9
+    assert all(c.seconds > 200e-6 for c in steps)  # the wire's price and the eager cost
+
+
+def test_compute_model_checks_its_rates() -> None:
+    with pytest.raises(ValueError, match="flops_per_second"):
+        ComputeModel(0.0, 20e9)
+    with pytest.raises(ValueError, match="op_seconds"):
+        ComputeModel(100e9, 20e9, -1e-6)
+    with pytest.raises(ValueError, match="bytes_per_second"):
+        ComputeModel(100e9, float("nan"))
+
+
+def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
+    """One process: the measured rates are positive and finite, and plans priced with them
+    are the same every time (the model is data, passed explicitly)."""
+    placement = sbpflow.placement("cpu", [0])
+    measured = calibrate_compute(placement, repeats=1)
+    for value in (measured.flops_per_second, measured.bytes_per_second, measured.op_seconds):
+        assert 0 < value < float("inf")
+    model = _mlp_model(blocks=2, dim=64, inner=128)
+    two = sbpflow.placement("cpu", [0, 1])
+    x = torch.randn(64, 64)
+    first = sbpflow.auto_parallel(model, two, x, compute_model=measured)
+    again = sbpflow.auto_parallel(model, two, x, compute_model=measured)
+    assert first == again
+    with pytest.raises(TypeError, match="placement"):
+        calibrate_compute("cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate_compute(placement, repeats=0)
