@@ -431,10 +431,16 @@ def _time_call(call: Callable[[], Any], reps: int = 20) -> float:
 # -- kernels ----------------------------------------------------------------------------------
 
 
+def _padded(chunk: torch.Tensor, rows: int) -> torch.Tensor:
+    """``chunk`` with zero rows appended up to ``rows`` (a cat: one copy of the chunk)."""
+    if chunk.shape[0] == rows:
+        return chunk
+    return torch.cat([chunk, chunk.new_zeros((rows - chunk.shape[0], *chunk.shape[1:]))])
+
+
 def _kernels(quick: bool) -> dict[str, Any]:
     """``pad_chunks``: CuPy kernel vs the torch paths, GB/s counting bytes read and written."""
     import sbpflow_kernels
-    from sbpflow.comm.collectives import _pad_to
     from sbpflow_kernels.pack import pad_chunks_torch
 
     where = device()
@@ -455,7 +461,7 @@ def _kernels(quick: bool) -> dict[str, Any]:
 
         def hot_path(rows: torch.Tensor = rows, sizes: list[int] = sizes, n: int = longest) -> Any:
             # what reduce_scatter did before: pad each chunk, then concatenate
-            return torch.cat([_pad_to(c, 0, n) for c in torch.split(rows, sizes)], dim=0)
+            return torch.cat([_padded(c, n) for c in torch.split(rows, sizes)], dim=0)
 
         paths = {
             "cupy": lambda r=rows, s=sizes: sbpflow_kernels.pad_chunks(r, s),

@@ -48,12 +48,40 @@ __all__ = [
 ]
 
 
-def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    if t.shape[dim] == length:
-        return t
-    pad_shape = list(t.shape)
-    pad_shape[dim] = length - t.shape[dim]
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+# NOTE [one copy at most]
+# A layout change that is one collective costs that collective: the wire buffers are
+# allocated once, in the collective's layout, and the data is copied only where the
+# layout needs it. An even split along dim 0 in process-group order copies nothing
+# (the input piece is the send buffer, the receive buffer is the result); an inner
+# dim or an uneven split copies each element once on each side of the wire (the
+# padding is zero-filled, not concatenated), never a cat followed by a contiguous.
+
+
+def _dim_first_padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` with ``dim`` moved first, zero-padded to ``length`` along it, contiguous: one
+    copy, or none for a contiguous piece that needs neither."""
+    moved = t.movedim(dim, 0)
+    if moved.shape[0] == length:
+        return moved.contiguous()
+    out = moved.new_empty((length, *moved.shape[1:]))
+    out[: moved.shape[0]].copy_(moved)
+    out[moved.shape[0] :].zero_()
+    return out
+
+
+def _packed_chunks(
+    moved: torch.Tensor, sizes: Sequence[int], longest: int, members: Sequence[int]
+) -> torch.Tensor:
+    """The chunks of ``moved`` (``sizes[k]`` rows each, dim 0), chunk ``members[slot]`` at
+    row ``slot * longest``, zero-padded to ``longest`` rows: one copy of each element."""
+    out = moved.new_empty((len(sizes) * longest, *moved.shape[1:]))
+    chunks = torch.split(moved, list(sizes), dim=0)
+    for slot, k in enumerate(members):
+        start = slot * longest
+        out[start : start + sizes[k]].copy_(chunks[k])
+        if sizes[k] < longest:
+            out[start + sizes[k] : start + longest].zero_()
+    return out
 
 
 def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]) -> torch.Tensor:
@@ -63,17 +91,25 @@ def all_gather(local: torch.Tensor, dim: int, group: Group, sizes: Sequence[int]
         return local
     num = len(ranks)
     longest = max(sizes)
-    if dim != 0 and _group_order(ranks) is None and all(s == longest for s in sizes):
+    even = all(s == longest for s in sizes)
+    slots = _group_slots(ranks)
+    if dim != 0 and slots is None and even:
         return _all_gather_inner(local, dim, group)
-    piece = _pad_to(local, dim, longest).movedim(dim, 0).contiguous()
-    out = piece.new_empty((num * piece.shape[0], *piece.shape[1:]))
+    piece = _dim_first_padded(local, dim, longest)
+    out = piece.new_empty((num * longest, *piece.shape[1:]))
     out = _all_gather_into(out, piece, group)
-    slot = _group_slots(ranks)
-    if slot is None and all(s == longest for s in sizes):
-        return out.movedim(0, dim) if dim == 0 else _merge_leading(out, num, dim)
-    slots = slot or list(range(num))
-    pieces = [out[slots[k] * longest : slots[k] * longest + s] for k, s in enumerate(sizes)]
-    return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+    if slots is None and even:
+        return out if dim == 0 else _merge_leading(out, num, dim)
+    # Trim the padding and put the pieces in mesh order: one copy, into the result.
+    shape = list(local.shape)
+    shape[dim] = sum(sizes)
+    result = out.new_empty(shape)
+    rows, start = result.movedim(dim, 0), 0
+    for k, s in enumerate(sizes):
+        slot = k if slots is None else slots[k]
+        rows[start : start + s].copy_(out[slot * longest : slot * longest + s])
+        start += s
+    return result
 
 
 # NOTE [inner-dim collectives]
@@ -233,13 +269,11 @@ def reduce_scatter(
         return _reduce_scatter_inner(block, dim, group, reduce_op)
     moved = block.movedim(dim, 0)
     if order is None and all(s == longest for s in sizes):
-        src = moved.contiguous()
+        src = moved.contiguous()  # dim 0 here: no copy of a contiguous block
     elif order is None and dim == 0 and block.is_cuda:
         src = pad_chunks(moved, sizes)  # one kernel with CuPy (sbpflow_kernels)
     else:
-        chunks = torch.split(moved, list(sizes), dim=0)
-        members = order or range(len(ranks))
-        src = torch.cat([_pad_to(chunks[k], 0, longest) for k in members], dim=0)
+        src = _packed_chunks(moved, sizes, longest, order or range(len(ranks)))
     out = src.new_empty((longest, *src.shape[1:]))
     out = _reduce_scatter_into(out, src, group, reduce_op)
     out = out[: sizes[index]]
@@ -267,7 +301,10 @@ def all_to_all(
     members = order or list(range(len(ranks)))  # member at each process-group slot
     chunks = torch.split(local, list(dst_sizes), dim=dst_dim)
     send_chunks = [chunks[k] for k in members]
-    send = _pack(send_chunks, local)
+    if order is None and local.is_contiguous() and all(n == 1 for n in local.shape[:dst_dim]):
+        send = local.view(-1)  # the chunks lie one after another already: no copy
+    else:
+        send = _pack(send_chunks, local)
     recv_shapes = []
     for k in members:
         shape = list(local.shape)
