@@ -14,10 +14,11 @@ also compiles a plain copy with Dynamo alone (no Inductor: graph breaks are
 Dynamo's) and asserts the global model breaks its graph exactly as often, and that
 nothing compiles again after the second step.
 
-Layouts: data parallel (parameters broadcast, batch ``S(0)``) for the three families;
-Llama tensor parallel with the Megatron layout (q/k/v/gate/up ``S(0)``, o/down
-``S(1)``, the batch broadcast); Llama ``fully_shard`` (each decoder layer, then the
-root).
+Layouts, all under Inductor: data parallel (parameters broadcast, batch ``S(0)``) for
+the three families; Llama tensor parallel with the Megatron layout (q/k/v/gate/up
+``S(0)``, o/down ``S(1)``, the batch broadcast) on 2 ranks, and on a 2x2 mesh with data
+parallelism on the first axis (one layer there: four ranks compile on two cores); Llama
+``fully_shard`` (each decoder layer, then the root).
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ _COMPILE_TIMEOUT_S = 600.0
 # -- models: tiny sizes, the library's defaults otherwise (dropout off to compare) -----------
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(layers: int = 2) -> nn.Module:
     config = transformers.GPT2Config(
         vocab_size=_VOCAB,
         n_positions=32,
         n_embd=_WIDTH,
-        n_layer=2,
+        n_layer=layers,
         n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -73,12 +74,12 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _llama() -> nn.Module:
+def _llama(layers: int = 2) -> nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=_VOCAB,
         hidden_size=_WIDTH,
         intermediate_size=2 * _WIDTH,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
@@ -86,11 +87,11 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _bert() -> nn.Module:
+def _bert(layers: int = 2) -> nn.Module:
     config = transformers.BertConfig(
         vocab_size=_VOCAB,
         hidden_size=_WIDTH,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         intermediate_size=2 * _WIDTH,
         max_position_embeddings=32,
@@ -100,7 +101,7 @@ def _bert() -> nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
-_FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+_FAMILIES: dict[str, Callable[[int], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
 
 
 def _batch(family: str) -> dict[str, torch.Tensor]:
@@ -142,7 +143,7 @@ def _graph_breaks() -> int:
 
 
 def _plain_compile_counts(
-    family: str, layout: str, batch: dict[str, torch.Tensor]
+    family: str, layers: int, layout: str, batch: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     """Plain torch on the same model and batch (for ``fully_shard``: torch's own, applied
     the same way), compiled whole by Dynamo alone: its graphs after each step and its
@@ -150,7 +151,7 @@ def _plain_compile_counts(
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = _FAMILIES[family]().train()
+    model = _FAMILIES[family](layers).train()
     if layout == "fully_shard":
         mesh = init_device_mesh("cpu", (sbpflow.env.get_world_size(),))
         for layer in model.model.layers:
@@ -182,9 +183,14 @@ def _logical(t: torch.Tensor) -> torch.Tensor:
 
 
 def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) -> nn.Module:
-    model = model.to_global(placement, B)
-    if layout == "tensor parallel":
-        model = model.to_global(placement, _megatron_llama)
+    full = (B,) * placement.ndim
+    model = model.to_global(placement, full)
+    if layout == "tensor parallel":  # on a 2-D mesh: data parallel on axis 0, Megatron on 1
+
+        def megatron(name: str, t: torch.Tensor) -> Any:
+            return (*full[1:], _megatron_llama(name, t))
+
+        model = model.to_global(placement, megatron)
     elif layout == "fully_shard":
         for layer in model.model.layers:
             fully_shard(layer, placement)
@@ -192,22 +198,33 @@ def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) ->
     return model
 
 
-def train_job(family: str, layout: str, backend: str) -> dict[str, Any]:
-    """Worker: ``family`` laid out as ``layout`` on the whole world, compiled whole with
-    ``backend``, 3 steps against one plain process on the whole batch."""
-    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+def _global_batch(
+    layout: str, batch: dict[str, torch.Tensor], placement: sbpflow.Placement
+) -> dict[str, torch.Tensor]:
+    """The batch as the layout takes it: tensor parallel broadcasts it on the tensor axis
+    (and splits it on the data axis of a 2-D mesh); the others split it."""
+    if layout != "tensor parallel":
+        return {n: _shard(t, placement) for n, t in batch.items()}
+    if placement.ndim == 1:
+        return {n: t.to_global(placement, B) for n, t in batch.items()}
+    return {n: t.to_global(placement, (B, B)).to_global(sbp=(S0, B)) for n, t in batch.items()}
+
+
+def train_job(
+    family: str, layers: int, layout: str, backend: str, mesh: list[Any]
+) -> dict[str, Any]:
+    """Worker: ``family`` with ``layers`` layers laid out as ``layout`` on ``mesh``, compiled
+    whole with ``backend``, 3 steps against one plain process on the whole batch."""
+    placement = sbpflow.placement("cpu", mesh)
     batch = _batch(family)
-    plain = _plain_compile_counts(family, layout, batch)
+    plain = _plain_compile_counts(family, layers, layout, batch)
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    reference = _FAMILIES[family]().train()
+    reference = _FAMILIES[family](layers).train()
     model = _make_global(layout, copy.deepcopy(reference), placement)
-    if layout == "tensor parallel":  # every rank takes the whole batch
-        g_batch = {n: t.to_global(placement, B) for n, t in batch.items()}
-    else:
-        g_batch = {n: _shard(t, placement) for n, t in batch.items()}
+    g_batch = _global_batch(layout, batch, placement)
     counting = _Counting(backend)
     compiled = torch.compile(model, backend=counting)
     opt_ref = _OPTIMIZERS[family](reference.parameters())
@@ -306,13 +323,16 @@ def unreached_outputs_job() -> dict[str, Any]:
 # -- tests ---------------------------------------------------------------------------------------
 
 
-def _run(family: str, layout: str, backend: str) -> list[dict[str, Any]]:
-    """``train_job`` on the 2-rank pool, given longer than a hang takes to be noticed:
-    Inductor compiles C++ for the forward and the backward."""
-    pool = get_pool(2)
+def _run(
+    family: str, layout: str, backend: str, mesh: list[Any] | None = None, layers: int = 2
+) -> list[dict[str, Any]]:
+    """``train_job`` on ``mesh`` (default: ranks 0 and 1), given longer than a hang takes to
+    be noticed: Inductor compiles C++ for the forward and the backward."""
+    mesh = [0, 1] if mesh is None else mesh
+    pool = get_pool(torch.tensor(mesh).numel())
     timeout, pool.timeout = pool.timeout, max(pool.timeout, _COMPILE_TIMEOUT_S)
     try:
-        return pool.run(train_job, family, layout, backend)
+        return pool.run(train_job, family, layers, layout, backend, mesh)
     finally:
         pool.timeout = timeout
 
@@ -346,10 +366,17 @@ def test_whole_model_compile_trains_data_parallel(family: str) -> None:
 
 
 @pytest.mark.slow
-def test_whole_model_compile_trains_llama_tensor_parallel() -> None:
-    """The same for Llama with the Megatron layout on 2 ranks, the batch broadcast
-    (aot_eager: the layouts are AOTAutograd's business, Inductor compiles local ops)."""
-    _check(_run("llama", "tensor parallel", "aot_eager"), "llama tensor parallel")
+@pytest.mark.parametrize(
+    ("mesh", "layers"),
+    [([0, 1], 2), ([[0, 1], [2, 3]], 1)],  # 1 layer on 4 ranks: they compile on 2 cores here
+    ids=["2 ranks", "2x2 data by tensor"],
+)
+def test_whole_model_compile_trains_llama_tensor_parallel(mesh: list[Any], layers: int) -> None:
+    """The same for Llama with the Megatron layout: on 2 ranks, the batch broadcast; on a 2x2
+    mesh, data parallel on the first axis (the batch split there) and Megatron on the second."""
+    _check(
+        _run("llama", "tensor parallel", "inductor", mesh, layers), f"llama tensor parallel {mesh}"
+    )
 
 
 @pytest.mark.slow
@@ -357,7 +384,7 @@ def test_whole_model_compile_trains_llama_fully_sharded() -> None:
     """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks;
     the graph breaks where torch's own ``fully_shard`` breaks it (before each sharded
     module's forward, which gathers its parameters eagerly)."""
-    _check(_run("llama", "fully_shard", "aot_eager"), "llama fully_shard")
+    _check(_run("llama", "fully_shard", "inductor"), "llama fully_shard")
 
 
 def test_outputs_the_backward_does_not_reach() -> None:
