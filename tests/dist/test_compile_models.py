@@ -142,12 +142,21 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def _compile(model: nn.Module, counting: _Counting, per_block: bool) -> nn.Module:
+    """The model compiled whole, or (``per_block``) each decoder layer compiled in place."""
+    if not per_block:
+        return torch.compile(model, backend=counting)
+    for layer in model.model.layers:
+        layer.compile(backend=counting)
+    return model
+
+
 def _plain_compile_counts(
-    family: str, layers: int, layout: str, batch: dict[str, torch.Tensor]
+    family: str, layers: int, layout: str, per_block: bool, batch: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     """Plain torch on the same model and batch (for ``fully_shard``: torch's own, applied
-    the same way), compiled whole by Dynamo alone: its graphs after each step and its
-    graph breaks."""
+    the same way), compiled as the global one by Dynamo alone: its graphs after each step
+    and its graph breaks."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -158,7 +167,7 @@ def _plain_compile_counts(
             torch_fully_shard(layer, mesh=mesh)
         torch_fully_shard(model, mesh=mesh)
     counting = _Counting("eager")
-    compiled = torch.compile(model, backend=counting)
+    compiled = _compile(model, counting, per_block)
     graphs = []
     for _ in range(_STEPS):
         compiled(**batch).loss.backward()
@@ -211,13 +220,14 @@ def _global_batch(
 
 
 def train_job(
-    family: str, layers: int, layout: str, backend: str, mesh: list[Any]
+    family: str, layers: int, layout: str, backend: str, mesh: list[Any], per_block: bool
 ) -> dict[str, Any]:
     """Worker: ``family`` with ``layers`` layers laid out as ``layout`` on ``mesh``, compiled
-    whole with ``backend``, 3 steps against one plain process on the whole batch."""
+    with ``backend`` whole (or each decoder layer, ``per_block``), 3 steps against one plain
+    process on the whole batch."""
     placement = sbpflow.placement("cpu", mesh)
     batch = _batch(family)
-    plain = _plain_compile_counts(family, layers, layout, batch)
+    plain = _plain_compile_counts(family, layers, layout, per_block, batch)
 
     torch._dynamo.reset()
     counters.clear()
@@ -226,7 +236,7 @@ def train_job(
     model = _make_global(layout, copy.deepcopy(reference), placement)
     g_batch = _global_batch(layout, batch, placement)
     counting = _Counting(backend)
-    compiled = torch.compile(model, backend=counting)
+    compiled = _compile(model, counting, per_block)
     opt_ref = _OPTIMIZERS[family](reference.parameters())
     opt = _OPTIMIZERS[family](model.parameters())
     losses, graphs = [], []
@@ -324,7 +334,12 @@ def unreached_outputs_job() -> dict[str, Any]:
 
 
 def _run(
-    family: str, layout: str, backend: str, mesh: list[Any] | None = None, layers: int = 2
+    family: str,
+    layout: str,
+    backend: str,
+    mesh: list[Any] | None = None,
+    layers: int = 2,
+    per_block: bool = False,
 ) -> list[dict[str, Any]]:
     """``train_job`` on ``mesh`` (default: ranks 0 and 1), given longer than a hang takes to
     be noticed: Inductor compiles C++ for the forward and the backward."""
@@ -332,7 +347,7 @@ def _run(
     pool = get_pool(torch.tensor(mesh).numel())
     timeout, pool.timeout = pool.timeout, max(pool.timeout, _COMPILE_TIMEOUT_S)
     try:
-        return pool.run(train_job, family, layers, layout, backend, mesh)
+        return pool.run(train_job, family, layers, layout, backend, mesh, per_block)
     finally:
         pool.timeout = timeout
 
@@ -380,11 +395,16 @@ def test_whole_model_compile_trains_llama_tensor_parallel(mesh: list[Any], layer
 
 
 @pytest.mark.slow
-def test_whole_model_compile_trains_llama_fully_sharded() -> None:
-    """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks;
-    the graph breaks where torch's own ``fully_shard`` breaks it (before each sharded
-    module's forward, which gathers its parameters eagerly)."""
-    _check(_run("llama", "fully_shard", "inductor"), "llama fully_shard")
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole model", "per block"])
+def test_compile_trains_llama_fully_sharded(per_block: bool) -> None:
+    """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks,
+    compiled whole (the graph breaks where torch's own ``fully_shard`` breaks it: before each
+    sharded module's forward, which gathers its parameters eagerly) or each decoder layer
+    compiled in place, the KV cache on (one graph per layer, as with torch's)."""
+    _check(
+        _run("llama", "fully_shard", "inductor", per_block=per_block),
+        f"llama fully_shard, compiled {'per block' if per_block else 'whole'}",
+    )
 
 
 def test_outputs_the_backward_does_not_reach() -> None:
