@@ -272,11 +272,12 @@ def train_job(
 
 def _outputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A loss and outputs beside it: a view of an intermediate, a partial matmul (a row-
-    parallel product on split weights) and an output the loss itself is made from."""
+    parallel product on split weights), an output the loss itself is made from, and outputs
+    no gradient can flow through (a bool mask, integer indices)."""
     h = torch.tanh(x @ w1)
     partial = h @ w2  # P when w1 is split(1) and w2 split(0)
     scores = partial.relu()
-    return scores.pow(2).mean(), h.view(-1), partial, scores
+    return scores.pow(2).mean(), h.view(-1), partial, scores, scores > 0, h.argmax(-1)
 
 
 def unreached_outputs_job() -> dict[str, Any]:
@@ -306,7 +307,7 @@ def unreached_outputs_job() -> dict[str, Any]:
         loss.backward()
         grads += [args[1].grad, args[2].grad]
         args[1].grad = args[2].grad = None
-        loss, _, partial, _ = fn(*args)
+        loss, _, partial, *_ = fn(*args)
         (loss + partial.sum()).backward()
         grads += [args[1].grad, args[2].grad]
         args[1].grad = args[2].grad = None
