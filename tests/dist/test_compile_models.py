@@ -18,7 +18,10 @@ Layouts, all under Inductor: data parallel (parameters broadcast, batch ``S(0)``
 the three families; Llama tensor parallel with the Megatron layout (q/k/v/gate/up
 ``S(0)``, o/down ``S(1)``, the batch broadcast) on 2 ranks, and on a 2x2 mesh with data
 parallelism on the first axis (one layer there: four ranks compile on two cores); Llama
-``fully_shard`` (each decoder layer, then the root).
+``fully_shard`` (each decoder layer, then the root), compiled whole or per layer.
+
+GPT-2 with its default dropout (which breaks the graph at each dropout) is compared with
+eager sbpflow instead: its masks follow sbpflow's random state, not torch's.
 """
 
 from __future__ import annotations
@@ -58,16 +61,16 @@ _COMPILE_TIMEOUT_S = 600.0
 # -- models: tiny sizes, the library's defaults otherwise (dropout off to compare) -----------
 
 
-def _gpt2(layers: int = 2) -> nn.Module:
+def _gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
     config = transformers.GPT2Config(
         vocab_size=_VOCAB,
         n_positions=32,
         n_embd=_WIDTH,
         n_layer=layers,
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=_VOCAB - 1,
         eos_token_id=_VOCAB - 1,
     )
@@ -331,6 +334,38 @@ def unreached_outputs_job() -> dict[str, Any]:
     }
 
 
+def dropout_job() -> dict[str, Any]:
+    """GPT-2 with its default dropout (0.1) on 2 ranks, data parallel, 3 steps eagerly and
+    compiled whole (aot_eager) from the same ``sbpflow.manual_seed``: the masks follow
+    sbpflow's logical random state in both, so losses and parameters must agree."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    g_batch = {n: _shard(t, placement) for n, t in _batch("gpt2").items()}
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        sbpflow.manual_seed(0)
+        model = _gpt2(dropout=0.1).train().to_global(placement, B)
+        counting = _Counting("aot_eager")
+        run = torch.compile(model, backend=counting) if compiled else model
+        opt = _OPTIMIZERS["gpt2"](model.parameters())
+        losses, graphs = [], []
+        for _ in range(_STEPS):
+            loss = run(**g_batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            graphs.append(counting.graphs)
+        runs[compiled] = (losses, [_logical(p) for p in model.parameters()], graphs)
+    torch._dynamo.reset()
+    (eager, eager_params, _), (got, params, graphs) = runs[False], runs[True]
+    return {
+        "losses": list(zip(got, eager, strict=True)),
+        "error": max((a - b).abs().max().item() for a, b in zip(params, eager_params, strict=True)),
+        "graphs": graphs,
+    }
+
+
 # -- tests ---------------------------------------------------------------------------------------
 
 
@@ -416,3 +451,17 @@ def test_outputs_the_backward_does_not_reach() -> None:
     for rank, got in enumerate(get_pool(2).run(unreached_outputs_job)):
         assert max(got["errors"]) < _TOL, f"rank {rank}: gradient errors {got['errors']}"
         assert got["layouts"] == ["(S(1),)", "(S(0),)"] * 3, f"rank {rank}: {got['layouts']}"
+
+
+@pytest.mark.slow
+def test_compiled_model_with_dropout_trains_as_eager() -> None:
+    """GPT-2 with its default dropout compiled whole: dropout breaks the graph (sbpflow's
+    random state advances in Python), the regions between return outputs no gradient flows
+    through (bool masks), and the backward from the loss must not start from those;
+    losses and parameters agree with eager sbpflow, nothing compiles after the second step."""
+    for rank, got in enumerate(get_pool(2).run(dropout_job)):
+        for step, (loss, want) in enumerate(got["losses"]):
+            assert loss == pytest.approx(want, abs=_TOL, rel=_TOL), (rank, step, got["losses"])
+        assert got["error"] < _TOL, f"rank {rank}: parameters differ from eager: {got['error']}"
+        graphs = got["graphs"]
+        assert graphs[0] > 1 and graphs[-1] == graphs[1], f"rank {rank}: graphs {graphs}"
