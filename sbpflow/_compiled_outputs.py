@@ -22,6 +22,10 @@
 # the compiled backward was traced with: zeros laid out as the traced global
 # tangent (each rank's piece, no communication), or plain zeros for a plain output.
 # An output that something does feed gets nothing extra, so no gradient is summed.
+# Nor does an output no gradient can flow through (a bool mask, integer indices, an
+# output AOTAutograd found not to require a gradient): the compiled node marked it
+# non-differentiable, autograd gives it no gradient, and a root there trips an internal
+# assert of torch's. AOTAutograd's metadata on the node's forward says which they are.
 # The walk runs only while a compiled region's global output made at run time is
 # alive (``CompiledRuns``); a backward that does not start at a global tensor
 # (``torch.autograd.backward``/``grad`` called directly) is not walked and still
@@ -108,6 +112,18 @@ def _is_compiled_node(node: Any) -> bool:
     return getattr(forward_cls, "_aot_id", None) is not None
 
 
+def _differentiable(node: Any) -> list[bool]:
+    """Which leading outputs of a compiled node can take a gradient (its mutated inputs,
+    then its user outputs, as AOTAutograd's ``CompiledFunction.forward`` returns them and
+    marks those not requiring one non-differentiable); outputs after those (intermediate
+    bases) always can."""
+    from torch._functorch._aot_autograd.schemas import MutationType
+
+    meta = node._forward_cls.metadata
+    mutated = [i for i in meta.input_info if i.mutation_type == MutationType.MUTATED_OUT_GRAPH]
+    return [info.requires_grad for info in [*mutated, *meta.output_info]]
+
+
 def unreached_outputs(root: torch.Tensor) -> tuple[list[GradientEdge], list[ZeroGradient]]:
     """The outputs of compiled nodes that a backward from ``root`` runs but that no node of
     it feeds, with their zero gradients (NOTE [outputs the backward does not reach])."""
@@ -133,7 +149,10 @@ def unreached_outputs(root: torch.Tensor) -> tuple[list[GradientEdge], list[Zero
                 stack.append(next_node)
     edges, zeros = [], []
     for node in compiled:
+        differentiable = _differentiable(node)
         for output_nr, meta in enumerate(node._input_metadata):
+            if output_nr < len(differentiable) and not differentiable[output_nr]:
+                continue
             if (id(node), output_nr) not in fed:
                 edges.append(GradientEdge(node, output_nr))
                 zeros.append(ZeroGradient(meta.shape, meta.dtype, meta.device))

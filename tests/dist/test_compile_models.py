@@ -14,10 +14,14 @@ also compiles a plain copy with Dynamo alone (no Inductor: graph breaks are
 Dynamo's) and asserts the global model breaks its graph exactly as often, and that
 nothing compiles again after the second step.
 
-Layouts: data parallel (parameters broadcast, batch ``S(0)``) for the three families;
-Llama tensor parallel with the Megatron layout (q/k/v/gate/up ``S(0)``, o/down
-``S(1)``, the batch broadcast); Llama ``fully_shard`` (each decoder layer, then the
-root).
+Layouts, all under Inductor: data parallel (parameters broadcast, batch ``S(0)``) for
+the three families; Llama tensor parallel with the Megatron layout (q/k/v/gate/up
+``S(0)``, o/down ``S(1)``, the batch broadcast) on 2 ranks, and on a 2x2 mesh with data
+parallelism on the first axis (one layer there: four ranks compile on two cores); Llama
+``fully_shard`` (each decoder layer, then the root), compiled whole or per layer.
+
+GPT-2 with its default dropout (which breaks the graph at each dropout) is compared with
+eager sbpflow instead: its masks follow sbpflow's random state, not torch's.
 """
 
 from __future__ import annotations
@@ -57,28 +61,28 @@ _COMPILE_TIMEOUT_S = 600.0
 # -- models: tiny sizes, the library's defaults otherwise (dropout off to compare) -----------
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
     config = transformers.GPT2Config(
         vocab_size=_VOCAB,
         n_positions=32,
         n_embd=_WIDTH,
-        n_layer=2,
+        n_layer=layers,
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=_VOCAB - 1,
         eos_token_id=_VOCAB - 1,
     )
     return transformers.GPT2LMHeadModel(config)
 
 
-def _llama() -> nn.Module:
+def _llama(layers: int = 2) -> nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=_VOCAB,
         hidden_size=_WIDTH,
         intermediate_size=2 * _WIDTH,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
@@ -86,11 +90,11 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _bert() -> nn.Module:
+def _bert(layers: int = 2) -> nn.Module:
     config = transformers.BertConfig(
         vocab_size=_VOCAB,
         hidden_size=_WIDTH,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         intermediate_size=2 * _WIDTH,
         max_position_embeddings=32,
@@ -100,7 +104,7 @@ def _bert() -> nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
-_FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+_FAMILIES: dict[str, Callable[[int], nn.Module]] = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
 
 
 def _batch(family: str) -> dict[str, torch.Tensor]:
@@ -141,23 +145,32 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def _compile(model: nn.Module, counting: _Counting, per_block: bool) -> nn.Module:
+    """The model compiled whole, or (``per_block``) each decoder layer compiled in place."""
+    if not per_block:
+        return torch.compile(model, backend=counting)
+    for layer in model.model.layers:
+        layer.compile(backend=counting)
+    return model
+
+
 def _plain_compile_counts(
-    family: str, layout: str, batch: dict[str, torch.Tensor]
+    family: str, layers: int, layout: str, per_block: bool, batch: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     """Plain torch on the same model and batch (for ``fully_shard``: torch's own, applied
-    the same way), compiled whole by Dynamo alone: its graphs after each step and its
-    graph breaks."""
+    the same way), compiled as the global one by Dynamo alone: its graphs after each step
+    and its graph breaks."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = _FAMILIES[family]().train()
+    model = _FAMILIES[family](layers).train()
     if layout == "fully_shard":
         mesh = init_device_mesh("cpu", (sbpflow.env.get_world_size(),))
         for layer in model.model.layers:
             torch_fully_shard(layer, mesh=mesh)
         torch_fully_shard(model, mesh=mesh)
     counting = _Counting("eager")
-    compiled = torch.compile(model, backend=counting)
+    compiled = _compile(model, counting, per_block)
     graphs = []
     for _ in range(_STEPS):
         compiled(**batch).loss.backward()
@@ -182,9 +195,14 @@ def _logical(t: torch.Tensor) -> torch.Tensor:
 
 
 def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) -> nn.Module:
-    model = model.to_global(placement, B)
-    if layout == "tensor parallel":
-        model = model.to_global(placement, _megatron_llama)
+    full = (B,) * placement.ndim
+    model = model.to_global(placement, full)
+    if layout == "tensor parallel":  # on a 2-D mesh: data parallel on axis 0, Megatron on 1
+
+        def megatron(name: str, t: torch.Tensor) -> Any:
+            return (*full[1:], _megatron_llama(name, t))
+
+        model = model.to_global(placement, megatron)
     elif layout == "fully_shard":
         for layer in model.model.layers:
             fully_shard(layer, placement)
@@ -192,24 +210,36 @@ def _make_global(layout: str, model: nn.Module, placement: sbpflow.Placement) ->
     return model
 
 
-def train_job(family: str, layout: str, backend: str) -> dict[str, Any]:
-    """Worker: ``family`` laid out as ``layout`` on the whole world, compiled whole with
-    ``backend``, 3 steps against one plain process on the whole batch."""
-    placement = sbpflow.placement("cpu", list(range(sbpflow.env.get_world_size())))
+def _global_batch(
+    layout: str, batch: dict[str, torch.Tensor], placement: sbpflow.Placement
+) -> dict[str, torch.Tensor]:
+    """The batch as the layout takes it: tensor parallel broadcasts it on the tensor axis
+    (and splits it on the data axis of a 2-D mesh); the others split it."""
+    if layout != "tensor parallel":
+        return {n: _shard(t, placement) for n, t in batch.items()}
+    if placement.ndim == 1:
+        return {n: t.to_global(placement, B) for n, t in batch.items()}
+    return {n: t.to_global(placement, (B, B)).to_global(sbp=(S0, B)) for n, t in batch.items()}
+
+
+def train_job(
+    family: str, layers: int, layout: str, backend: str, mesh: list[Any], per_block: bool
+) -> dict[str, Any]:
+    """Worker: ``family`` with ``layers`` layers laid out as ``layout`` on ``mesh``, compiled
+    with ``backend`` whole (or each decoder layer, ``per_block``), 3 steps against one plain
+    process on the whole batch."""
+    placement = sbpflow.placement("cpu", mesh)
     batch = _batch(family)
-    plain = _plain_compile_counts(family, layout, batch)
+    plain = _plain_compile_counts(family, layers, layout, per_block, batch)
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    reference = _FAMILIES[family]().train()
+    reference = _FAMILIES[family](layers).train()
     model = _make_global(layout, copy.deepcopy(reference), placement)
-    if layout == "tensor parallel":  # every rank takes the whole batch
-        g_batch = {n: t.to_global(placement, B) for n, t in batch.items()}
-    else:
-        g_batch = {n: _shard(t, placement) for n, t in batch.items()}
+    g_batch = _global_batch(layout, batch, placement)
     counting = _Counting(backend)
-    compiled = torch.compile(model, backend=counting)
+    compiled = _compile(model, counting, per_block)
     opt_ref = _OPTIMIZERS[family](reference.parameters())
     opt = _OPTIMIZERS[family](model.parameters())
     losses, graphs = [], []
@@ -245,11 +275,12 @@ def train_job(family: str, layout: str, backend: str) -> dict[str, Any]:
 
 def _outputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A loss and outputs beside it: a view of an intermediate, a partial matmul (a row-
-    parallel product on split weights) and an output the loss itself is made from."""
+    parallel product on split weights), an output the loss itself is made from, and outputs
+    no gradient can flow through (a bool mask, integer indices)."""
     h = torch.tanh(x @ w1)
     partial = h @ w2  # P when w1 is split(1) and w2 split(0)
     scores = partial.relu()
-    return scores.pow(2).mean(), h.view(-1), partial, scores
+    return scores.pow(2).mean(), h.view(-1), partial, scores, scores > 0, h.argmax(-1)
 
 
 def unreached_outputs_job() -> dict[str, Any]:
@@ -279,7 +310,7 @@ def unreached_outputs_job() -> dict[str, Any]:
         loss.backward()
         grads += [args[1].grad, args[2].grad]
         args[1].grad = args[2].grad = None
-        loss, _, partial, _ = fn(*args)
+        loss, _, partial, *_ = fn(*args)
         (loss + partial.sum()).backward()
         grads += [args[1].grad, args[2].grad]
         args[1].grad = args[2].grad = None
@@ -303,16 +334,56 @@ def unreached_outputs_job() -> dict[str, Any]:
     }
 
 
+def dropout_job() -> dict[str, Any]:
+    """GPT-2 with its default dropout (0.1) on 2 ranks, data parallel, 3 steps eagerly and
+    compiled whole (aot_eager) from the same ``sbpflow.manual_seed``: the masks follow
+    sbpflow's logical random state in both, so losses and parameters must agree."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    g_batch = {n: _shard(t, placement) for n, t in _batch("gpt2").items()}
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        sbpflow.manual_seed(0)
+        model = _gpt2(dropout=0.1).train().to_global(placement, B)
+        counting = _Counting("aot_eager")
+        run = torch.compile(model, backend=counting) if compiled else model
+        opt = _OPTIMIZERS["gpt2"](model.parameters())
+        losses, graphs = [], []
+        for _ in range(_STEPS):
+            loss = run(**g_batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            graphs.append(counting.graphs)
+        runs[compiled] = (losses, [_logical(p) for p in model.parameters()], graphs)
+    torch._dynamo.reset()
+    (eager, eager_params, _), (got, params, graphs) = runs[False], runs[True]
+    return {
+        "losses": list(zip(got, eager, strict=True)),
+        "error": max((a - b).abs().max().item() for a, b in zip(params, eager_params, strict=True)),
+        "graphs": graphs,
+    }
+
+
 # -- tests ---------------------------------------------------------------------------------------
 
 
-def _run(family: str, layout: str, backend: str) -> list[dict[str, Any]]:
-    """``train_job`` on the 2-rank pool, given longer than a hang takes to be noticed:
-    Inductor compiles C++ for the forward and the backward."""
-    pool = get_pool(2)
+def _run(
+    family: str,
+    layout: str,
+    backend: str,
+    mesh: list[Any] | None = None,
+    layers: int = 2,
+    per_block: bool = False,
+) -> list[dict[str, Any]]:
+    """``train_job`` on ``mesh`` (default: ranks 0 and 1), given longer than a hang takes to
+    be noticed: Inductor compiles C++ for the forward and the backward."""
+    mesh = [0, 1] if mesh is None else mesh
+    pool = get_pool(torch.tensor(mesh).numel())
     timeout, pool.timeout = pool.timeout, max(pool.timeout, _COMPILE_TIMEOUT_S)
     try:
-        return pool.run(train_job, family, layout, backend)
+        return pool.run(train_job, family, layers, layout, backend, mesh, per_block)
     finally:
         pool.timeout = timeout
 
@@ -346,18 +417,30 @@ def test_whole_model_compile_trains_data_parallel(family: str) -> None:
 
 
 @pytest.mark.slow
-def test_whole_model_compile_trains_llama_tensor_parallel() -> None:
-    """The same for Llama with the Megatron layout on 2 ranks, the batch broadcast
-    (aot_eager: the layouts are AOTAutograd's business, Inductor compiles local ops)."""
-    _check(_run("llama", "tensor parallel", "aot_eager"), "llama tensor parallel")
+@pytest.mark.parametrize(
+    ("mesh", "layers"),
+    [([0, 1], 2), ([[0, 1], [2, 3]], 1)],  # 1 layer on 4 ranks: they compile on 2 cores here
+    ids=["2 ranks", "2x2 data by tensor"],
+)
+def test_whole_model_compile_trains_llama_tensor_parallel(mesh: list[Any], layers: int) -> None:
+    """The same for Llama with the Megatron layout: on 2 ranks, the batch broadcast; on a 2x2
+    mesh, data parallel on the first axis (the batch split there) and Megatron on the second."""
+    _check(
+        _run("llama", "tensor parallel", "inductor", mesh, layers), f"llama tensor parallel {mesh}"
+    )
 
 
 @pytest.mark.slow
-def test_whole_model_compile_trains_llama_fully_sharded() -> None:
-    """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks;
-    the graph breaks where torch's own ``fully_shard`` breaks it (before each sharded
-    module's forward, which gathers its parameters eagerly)."""
-    _check(_run("llama", "fully_shard", "aot_eager"), "llama fully_shard")
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole model", "per block"])
+def test_compile_trains_llama_fully_sharded(per_block: bool) -> None:
+    """The same for Llama with each decoder layer, then the root, fully sharded on 2 ranks,
+    compiled whole (the graph breaks where torch's own ``fully_shard`` breaks it: before each
+    sharded module's forward, which gathers its parameters eagerly) or each decoder layer
+    compiled in place, the KV cache on (one graph per layer, as with torch's)."""
+    _check(
+        _run("llama", "fully_shard", "inductor", per_block=per_block),
+        f"llama fully_shard, compiled {'per block' if per_block else 'whole'}",
+    )
 
 
 def test_outputs_the_backward_does_not_reach() -> None:
@@ -368,3 +451,17 @@ def test_outputs_the_backward_does_not_reach() -> None:
     for rank, got in enumerate(get_pool(2).run(unreached_outputs_job)):
         assert max(got["errors"]) < _TOL, f"rank {rank}: gradient errors {got['errors']}"
         assert got["layouts"] == ["(S(1),)", "(S(0),)"] * 3, f"rank {rank}: {got['layouts']}"
+
+
+@pytest.mark.slow
+def test_compiled_model_with_dropout_trains_as_eager() -> None:
+    """GPT-2 with its default dropout compiled whole: dropout breaks the graph (sbpflow's
+    random state advances in Python), the regions between return outputs no gradient flows
+    through (bool masks), and the backward from the loss must not start from those;
+    losses and parameters agree with eager sbpflow, nothing compiles after the second step."""
+    for rank, got in enumerate(get_pool(2).run(dropout_job)):
+        for step, (loss, want) in enumerate(got["losses"]):
+            assert loss == pytest.approx(want, abs=_TOL, rel=_TOL), (rank, step, got["losses"])
+        assert got["error"] < _TOL, f"rank {rank}: parameters differ from eager: {got['error']}"
+        graphs = got["graphs"]
+        assert graphs[0] > 1 and graphs[-1] == graphs[1], f"rank {rank}: graphs {graphs}"
