@@ -117,11 +117,14 @@ def _differentiable(node: Any) -> list[bool]:
     then its user outputs, as AOTAutograd's ``CompiledFunction.forward`` returns them and
     marks those not requiring one non-differentiable); outputs after those (intermediate
     bases) always can."""
-    from torch._functorch._aot_autograd.schemas import MutationType
+    try:  # AOTAutograd's own records: private, so a torch without them marks nothing
+        from torch._functorch._aot_autograd.schemas import MutationType
 
-    meta = node._forward_cls.metadata
-    mutated = [i for i in meta.input_info if i.mutation_type == MutationType.MUTATED_OUT_GRAPH]
-    return [info.requires_grad for info in [*mutated, *meta.output_info]]
+        meta = node._forward_cls.metadata
+        mutated = [i for i in meta.input_info if i.mutation_type == MutationType.MUTATED_OUT_GRAPH]
+        return [info.requires_grad for info in [*mutated, *meta.output_info]]
+    except (ImportError, AttributeError):
+        return []
 
 
 def unreached_outputs(root: torch.Tensor) -> tuple[list[GradientEdge], list[ZeroGradient]]:
