@@ -272,7 +272,10 @@ def main() -> None:
     modes = ["eager"] if args.eager_only else args.modes.split(",")
     unknown = set(modes) - {"eager", "compiled"}
     if unknown or set(args.suites.split(",")) - set(SUITES):
-        parser.error(f"--modes takes eager,compiled and --suites {','.join(SUITES)}; got {args}")
+        parser.error(
+            f"--modes takes eager and/or compiled and --suites some of {','.join(SUITES)} "
+            f"(comma-separated); got --modes {args.modes} --suites {args.suites}"
+        )
     load = os.getloadavg()[0]
     lines = [
         SECTION_START,
