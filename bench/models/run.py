@@ -34,7 +34,8 @@ A variant that raises is reported with its error instead of a time.
 Usage (from the repository root)::
 
     python bench/models/run.py                                 # every suite, 3 runs
-    python bench/models/run.py --suites dp-gpt2 --runs 1 --reps 3 --eager-only
+    python bench/models/run.py --suites dp-gpt2 --runs 1 --reps 3 --modes eager
+    python bench/models/run.py --suites dp-llama,fsdp-llama --modes compiled
     python bench/models/run.py --out docs/benchmarks.md
 """
 
@@ -262,9 +263,19 @@ def main() -> None:
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10, help="timed steps per variant and run")
-    parser.add_argument("--eager-only", action="store_true")
+    parser.add_argument("--eager-only", action="store_true", help="same as --modes eager")
+    parser.add_argument(
+        "--modes", default="eager,compiled", help="eager, compiled or both (comma-separated)"
+    )
     parser.add_argument("--out", type=Path, help="write the results into this file's section")
     args = parser.parse_args()
+    modes = ["eager"] if args.eager_only else args.modes.split(",")
+    unknown = set(modes) - {"eager", "compiled"}
+    if unknown or set(args.suites.split(",")) - set(SUITES):
+        parser.error(
+            f"--modes takes eager and/or compiled and --suites some of {','.join(SUITES)} "
+            f"(comma-separated); got --modes {args.modes} --suites {args.suites}"
+        )
     load = os.getloadavg()[0]
     lines = [
         SECTION_START,
@@ -275,14 +286,18 @@ def main() -> None:
         f"{args.reps}`: GPT-2 (4 layers, 256 wide) and Llama (4 layers, hidden 256, "
         f"intermediate 1024, GQA), seq {SEQ}, {BATCH_PER_RANK} sequences per rank, AdamW; "
         f"median step time (ms) of each run, then the median of the {args.runs} runs' medians; "
-        "ratio: the variant's over the torch peer's (first row of each group).",
+        "ratio: the variant's over the torch peer's (first row of each group); load: the "
+        "1-minute load average at the start of each run.",
         "",
-        "| suite | mode | variant | ms per run | median ms | ratio |",
-        "|---|---|---|---|---:|---:|",
+        "| suite | mode | variant | ms per run | median ms | ratio | load per run |",
+        "|---|---|---|---|---:|---:|---|",
     ]
     for suite in args.suites.split(","):
-        for compiled in (False,) if args.eager_only else (False, True):
-            runs = [_one_run(suite, compiled, args.reps) for _ in range(args.runs)]
+        for compiled in [m == "compiled" for m in ("eager", "compiled") if m in modes]:
+            runs, loads = [], []
+            for _ in range(args.runs):
+                loads.append(f"{os.getloadavg()[0]:.1f}")
+                runs.append(_one_run(suite, compiled, args.reps))
             mode = "compiled" if compiled else "eager"
             names = list(dict.fromkeys(n for times, errors in runs for n in [*times, *errors]))
             peer = None
@@ -290,16 +305,17 @@ def main() -> None:
                 per_run = [times[name] for times, _ in runs if name in times]
                 error = next((errors[name] for _, errors in runs if name in errors), None)
                 if error or not per_run:
-                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | |")
+                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | | |")
                     continue
                 middle = statistics.median(per_run)
                 peer = middle if peer is None else peer
                 each = ", ".join(f"{t:.1f}" for t in per_run)
                 lines.append(
-                    f"| {suite} | {mode} | {name} | {each} | {middle:.1f} | {middle / peer:.2f} |"
+                    f"| {suite} | {mode} | {name} | {each} | {middle:.1f} | {middle / peer:.2f} "
+                    f"| {', '.join(loads)} |"
                 )
                 print(lines[-1], flush=True)
-    lines.append(SECTION_END)
+    lines += ["", f"Load average at the end: {os.getloadavg()[0]:.1f} (1 min).", SECTION_END]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
