@@ -63,6 +63,15 @@ def _model() -> Tied:
     )
 
 
+def _staged_model() -> tuple[Tied, list[Any]]:
+    """``_model()`` with its two stages on ranks 0 and 1, and their placements."""
+    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
+    model = _model()
+    for stage, placement in zip(model, placements, strict=True):
+        stage.to_global(placement, B)
+    return model, placements
+
+
 class TrainGraph(sbpflow.nn.Graph):
     def __init__(self, model: nn.Sequential, placements: list[Any], schedule: str) -> None:
         super().__init__()
@@ -117,10 +126,7 @@ def train_job(schedule: str, early: bool, tied: bool = False) -> dict[str, Any]:
     """Train _STEPS steps; the losses, the weights, the receives posted early per step, and
     plain torch's losses and weights. ``tied``: stage 0's weight also used on stage 1, and
     micro-batches of 8 rows (the weight's shape)."""
-    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
-    model = _model()
-    for stage, placement in zip(model, placements, strict=True):
-        stage.to_global(placement, B)
+    model, placements = _staged_model()
     rows = 4 * _M if tied else 8
     model.tied_to = placements[1] if tied else None
     graph = TrainGraph(model, placements, schedule)
@@ -203,11 +209,8 @@ def recovering_job(early: bool) -> dict[str, Any]:
     micro-batch's receive early); the caller skips the batch and goes on. Each step's loss
     or error, the receives posted early in each step, the weights, and plain torch's
     losses and weights trained on the other batches."""
-    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
+    model, placements = _staged_model()
     both = sbpflow.placement("cpu", [0, 1])
-    model = _model()
-    for stage, placement in zip(model, placements, strict=True):
-        stage.to_global(placement, B)
     graph = FailingGraph(model, placements, "gpipe")
     graph.config.enable_early_receives(early)
     graph.fail_at = (_FAILED_STEP + 1) * _M
@@ -262,10 +265,7 @@ def test_steps_after_a_failed_step_train_as_one_process_does(
 
 def changing_job(early: bool) -> list[float]:
     """Step 1 as usual; step 2 moves one more tensor from stage 0's rank to stage 1's."""
-    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
-    model = _model()
-    for stage, placement in zip(model, placements, strict=True):
-        stage.to_global(placement, B)
+    model, placements = _staged_model()
     graph = TrainGraph(model, placements, "1f1b")
     graph.config.enable_early_receives(early)
     both = sbpflow.placement("cpu", [0, 1])

@@ -18,16 +18,21 @@ from sbpflow.comm import _groups, _p2p
 from sbpflow.nn.pipeline.runtime import _step
 from sbpflow.testing import get_pool
 
-from .test_pipeline_early_receives import _M, _TOL, B, TrainGraph, _batches, _model, _reference
+from .test_pipeline_early_receives import (
+    _M,
+    _TOL,
+    B,
+    TrainGraph,
+    _batches,
+    _reference,
+    _staged_model,
+)
 
 
 def lanes_job() -> dict[str, Any]:
     """Two steps; per compute action, how many groups it made; the transfer groups made."""
-    placements = [sbpflow.placement("cpu", [r]) for r in (0, 1)]
+    model, placements = _staged_model()
     both = sbpflow.placement("cpu", [0, 1])
-    model = _model()
-    for stage, placement in zip(model, placements, strict=True):
-        stage.to_global(placement, B)
     graph = TrainGraph(model, placements, "1f1b")
     made: list[int] = []
     original = _step.run_action
