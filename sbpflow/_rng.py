@@ -25,6 +25,17 @@
 # A call given an explicit ``generator=`` uses it as given and leaves the state
 # alone: keeping that generator in step across ranks is then the caller's job.
 #
+# NOTE [recomputed randomness]
+# Activation checkpointing runs a region's forward again in the backward and
+# relies on the random state being restored first: torch.utils.checkpoint saves
+# and restores torch's generators, not this state. A recomputed dropout would
+# then read new positions and draw another mask: the gradient of a mask the
+# forward never used, silently. So a draw from the program's state while a
+# backward pass runs raises (``take``), and ``checkpoint_contexts`` is the
+# ``context_fn`` that makes recomputation exact: its forward context notes the
+# position the region starts at, its recompute context replays from there on a
+# stream of its own.
+#
 # NOTE [random streams]
 # Code that runs several calls of a program's work interleaved, or in an order
 # that may change, can keep the values each call draws independent of that
@@ -52,8 +63,10 @@ from . import _global
 from ._compiling import compiling
 
 __all__ = [
+    "RandomOpInBackward",
     "RandomStream",
     "advance",
+    "checkpoint_contexts",
     "current_stream",
     "draw_numel",
     "draws",
@@ -112,6 +125,25 @@ class RandomOpWhileTracing(UnsupportedFakeTensorException):
         return self.reason
 
 
+class RandomOpInBackward(RuntimeError):
+    """A random op on a global tensor drew while a backward pass ran, outside any replay
+    (NOTE [recomputed randomness])."""
+
+
+_IN_BACKWARD = (
+    "sbpflow: a random op on a global tensor (dropout with p > 0, bernoulli, normal_, ...) ran "
+    "during a backward pass, most likely in the recomputation of activation checkpointing. "
+    "sbpflow's random state is not torch's generator, which torch.utils.checkpoint restores, "
+    "so the recomputation would draw a different mask than the forward did and the "
+    "gradients would be wrong. Checkpoint with "
+    "`torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, "
+    "context_fn=sbpflow.utils.checkpoint_contexts)` (Hugging Face: "
+    "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+    "False, 'context_fn': sbpflow.utils.checkpoint_contexts})`), which replays the forward's "
+    "draws, or keep random ops out of checkpointed regions."
+)
+
+
 @dataclass
 class RandomStream:
     """The random positions of one call's work (NOTE [random streams])."""
@@ -128,6 +160,53 @@ _stream: contextvars.ContextVar[RandomStream | None] = contextvars.ContextVar(
 def set_stream(stream: RandomStream | None) -> None:
     """Draw from ``stream`` in the current ``contextvars.Context`` (None: the program's state)."""
     _stream.set(stream)
+
+
+class _Replay:
+    """Where a checkpointed region's forward drew, and a context replaying it
+    (NOTE [recomputed randomness]). Reusable: a retained graph recomputes again."""
+
+    def __init__(self) -> None:
+        self.start: tuple[int, int] | None = None
+        self._tokens: list[contextvars.Token[RandomStream | None]] = []
+
+    def record(self) -> _Record:
+        return _Record(self)
+
+    def __enter__(self) -> None:
+        if self.start is None:
+            raise RuntimeError("sbpflow: a checkpointed region recomputed before its forward ran.")
+        self._tokens.append(_stream.set(RandomStream(*self.start)))
+
+    def __exit__(self, *exc: object) -> None:
+        _stream.reset(self._tokens.pop())
+
+
+class _Record:
+    """The forward context of a checkpointed region: notes where its first draw reads."""
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    def __enter__(self) -> None:
+        self._replay.start = position()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def checkpoint_contexts() -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    the recomputation draws the same random values as the forward did.
+
+    The forward context notes the logical random position where the region starts; the
+    recompute context draws from a stream starting there (NOTE [random streams]), so a
+    dropout mask recomputed in the backward is the forward's mask, and the program's own
+    random state is not moved a second time. Returns ``(forward_context, recompute_context)``
+    as ``context_fn`` must.
+    """
+    replay = _Replay()
+    return replay.record(), replay
 
 
 def current_stream() -> RandomStream | None:
@@ -165,6 +244,8 @@ def take(numel: int) -> tuple[int, int]:
         start = stream.offset
         stream.offset += numel
         return stream.seed, start
+    if torch._C._current_graph_task_id() != -1:
+        raise RandomOpInBackward(_IN_BACKWARD)
     start = _offset
     _offset += numel
     return _seed, start

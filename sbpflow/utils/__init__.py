@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .._rng import checkpoint_contexts
 from . import data
 
-__all__ = ["data"]
+__all__ = ["checkpoint_contexts", "data"]
