@@ -7,6 +7,6 @@ to its torch reference path there.
 
 from __future__ import annotations
 
-from .pack import cupy_available, pad_chunks, unpad_chunks
+from .pack import cupy_available, pad_chunks
 
-__all__ = ["cupy_available", "pad_chunks", "unpad_chunks"]
+__all__ = ["cupy_available", "pad_chunks"]

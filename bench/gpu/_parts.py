@@ -233,10 +233,11 @@ def _gpt2(quick: bool) -> dict[str, Any]:
             ids = sbpflow.to_global(ids, placement, sbpflow.sbp.split(0))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def loss_of(tokens: torch.Tensor) -> torch.Tensor:
-            return model(input_ids=tokens, labels=tokens).loss
+        # compiled: the whole model, as users write it (torch.compile(model))
+        run = torch.compile(model) if compiled else model
 
-        loss_fn = torch.compile(loss_of) if compiled else loss_of
+        def loss_fn(tokens: torch.Tensor) -> torch.Tensor:
+            return run(input_ids=tokens, labels=tokens).loss
 
         def step() -> float:
             with autocast:
@@ -441,6 +442,7 @@ def _padded(chunk: torch.Tensor, rows: int) -> torch.Tensor:
 def _kernels(quick: bool) -> dict[str, Any]:
     """``pad_chunks``: CuPy kernel vs the torch paths, GB/s counting bytes read and written."""
     import sbpflow_kernels
+    from sbpflow.comm.collectives import _packed_chunks
     from sbpflow_kernels.pack import pad_chunks_torch
 
     where = device()
@@ -465,6 +467,10 @@ def _kernels(quick: bool) -> dict[str, Any]:
 
         paths = {
             "cupy": lambda r=rows, s=sizes: sbpflow_kernels.pad_chunks(r, s),
+            # what sbpflow's collectives do without the kernel: a copy per chunk, zero tails
+            "torch copies + tails": lambda r=rows, s=sizes, n=longest: _packed_chunks(
+                r, s, n, range(len(s))
+            ),
             "torch fill + copies": lambda r=rows, s=sizes: pad_chunks_torch(r, s),
             "torch pad + cat": hot_path,
         }
