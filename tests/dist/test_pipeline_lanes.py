@@ -9,7 +9,8 @@ equals plain torch on one process.
 On 4 ranks, stages whose transfers are not between stages next to each other: eight stages
 laid out as a V (ZBV: stages s and 7 - s on rank s) or four stages one per rank (1F1B, stage
 s on rank 3 - s), with a skip connection from stage 0's output into stage 2 (rank 0 to rank 2,
-or 3 to 1). No process group is
+or 3 to 1), and the input on every rank (stage 0's hook moves it from a placement no stage is
+on). No process group is
 made between the lanes being set up and the end of either step, and the losses and final
 weights equal plain torch's training of the same model on one process.
 """
@@ -155,7 +156,8 @@ def skip_job(schedule: str) -> dict[str, Any]:
     losses, after = [], []
     try:
         for x, y in _batches(steps=2):
-            loss = graph(x.to_global(placements[0], B), y.to_global(placements[-1], B))
+            # x on every rank: stage 0's hook moves it from a placement no stage is on
+            loss = graph(x.to_global(everyone, B), y.to_global(placements[-1], B))
             after.append(made[0])
             losses.append(loss.to_global(everyone, B).to_local().item())
     finally:
