@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
+from ...._global import GlobalTensor
 from ....comm._world import get_rank
+from ....placement import Placement
 from ..schedules import Action, ActionKind, Schedule, StepRecord
 from ._early import EarlyReceives
 from ._held_elsewhere import HeldElsewhere
@@ -89,7 +91,9 @@ def run_step(
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
     ]
     recorder = Recorder(rank, stages)
-    make_lanes(stages)  # NOTE [lanes] in _transfers.py: before any action, on every rank
+    # NOTE [lanes] in _transfers.py: every pair the step moves data between, before any
+    # action, on every rank
+    make_lanes(stages, _input_placements(microbatches))
     with (
         _released(mbs),
         held_elsewhere.installed(stages, rank),
@@ -116,6 +120,12 @@ def run_step(
     timings = tuple(recorder.timings) if holder is not None else ()
     record = StepRecord(schedule, ranks, timings, tuple(recorder.messages))
     return [mb.output for mb in mbs], record
+
+
+def _input_placements(microbatches: Sequence[MicroBatchArgs]) -> list[Placement]:
+    """The placements of the global tensors in the step's arguments, in argument order."""
+    leaves = torch.utils._pytree.tree_leaves([list(mb) for mb in microbatches[:1]])
+    return list(dict.fromkeys(t.placement for t in leaves if isinstance(t, GlobalTensor)))
 
 
 @contextlib.contextmanager

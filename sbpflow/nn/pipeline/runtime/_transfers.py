@@ -33,13 +33,22 @@ groups.
 # moves its tensor on lane ``((A, B), 0)`` and its gradient back on lane
 # ``((A, B), 1)``: each lane is a process group of its own over the ranks of A
 # and B (comm's ``transfer_group`` with the lane as its tag), so messages are
-# matched in order within a lane only. The two lanes of a pair are made together,
-# when the stages are set up for a step (``make_lanes``, before its first action,
-# on every rank: NOTE [group creation order] in sbpflow/comm/_groups.py) for each
-# pair of consecutive stages; a crossing between other placements (a weight used
-# on a stage further on, an input from a placement no stage is on) makes its pair
-# at its first forward, in program order on every rank, while all their members
-# are in that transfer.
+# matched in order within a lane only.
+#
+# The lanes are made when the stages are set up, before a step's first action,
+# by every rank with the same stages and in the same order (``make_lanes``; NOTE
+# [group creation order] in sbpflow/comm/_groups.py), never by a transfer in the
+# middle of a step. In a pipeline, data flows from a stage to the stages after
+# it: its output to the next, a skip connection or a weight tied to a later
+# stage further on, whichever ranks hold them (a V or looped schedule puts stage
+# 0 and the last stage on one rank, so stage 1 sends back to rank 0). So the
+# pairs made are those of (stage i's placement, stage j's placement) for every
+# i < j on different placements (``lane_pairs``), each with both its lanes, and
+# those from each placement of the step's global inputs to each stage's
+# placement. A crossing between other placements (a weight of a later stage
+# used on an earlier one, a placement made inside ``build``) is the one case
+# that still makes its pair at its first forward, in program order on every
+# rank, while all their members are in that transfer.
 #
 # NOTE [receives posted early]
 # A receive posted only when the data is needed waits for the sender's gloo
@@ -67,10 +76,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +95,7 @@ __all__ = [
     "Message",
     "Receive",
     "StepTransfers",
+    "lane_pairs",
     "make_lanes",
     "step_transfers",
 ]
@@ -118,14 +127,31 @@ class Receive:
     dtype: torch.dtype
 
 
-def make_lanes(stages: Sequence[Stage]) -> None:
-    """Make the lanes between each pair of consecutive stages (NOTE [lanes]). Every rank
-    calls it, with the same stages, before the step's first action."""
-    ordered = sorted(stages, key=lambda s: s.stage_id)
-    for before, after in itertools.pairwise(ordered):
-        src, dst = before.placement, after.placement
-        if src != dst and src.type == dst.type:
-            _lane_group(dst.type, _members(src, dst), ((src, dst), 0))
+def make_lanes(stages: Sequence[Stage], inputs: Iterable[Placement] = ()) -> None:
+    """Make the lanes of every pair in ``lane_pairs(stages, inputs)`` (NOTE [lanes]). Every
+    rank calls it, with the same stages and inputs, before the step's first action."""
+    for src, dst in lane_pairs(stages, inputs):
+        _lane_group(dst.type, _members(src, dst), ((src, dst), 0))
+
+
+def lane_pairs(
+    stages: Sequence[Stage], inputs: Iterable[Placement] = ()
+) -> list[tuple[Placement, Placement]]:
+    """The pairs of placements a step with ``stages`` and inputs on ``inputs`` moves data
+    between, in one order on every rank (NOTE [lanes]): (stage i's, stage j's placement)
+    for i < j on two placements of one device type, then (an input's placement, a stage's)."""
+    placements = [s.placement for s in sorted(stages, key=lambda s: s.stage_id)]
+    pairs = [
+        (src, dst)
+        for i, src in enumerate(placements)
+        for dst in placements[i + 1 :]
+        if src != dst and src.type == dst.type
+    ]
+    held = list(dict.fromkeys(placements))
+    for src in dict.fromkeys(inputs):
+        if src not in held:
+            pairs += [(src, dst) for dst in held if src.type == dst.type]
+    return list(dict.fromkeys(pairs))
 
 
 def _members(src: Placement, dst: Placement) -> tuple[int, ...]:
