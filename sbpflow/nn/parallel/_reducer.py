@@ -422,10 +422,13 @@ class GradientSync:
         if not axes:  # every gradient is already broadcast: nothing to reduce
             bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
             return
-        group = MESHES.of(bucket.placement, "gradient buckets").group(axes)  # NOTE [teardown]
-        assert group is not None, f"rank {rank} is not in {bucket.placement}"
-        bucket.pending = collectives.all_reduce_async(flat, group, "sum")
-        _trace.record(None, ["all_reduce"], [axes])
+        lines = MESHES.of(bucket.placement, "gradient buckets").lines(axes)  # NOTE [teardown]
+        assert lines, f"rank {rank} is not in {bucket.placement}"
+        for _, group in lines[:-1]:  # axes with no group of their own: one after another
+            collectives.all_reduce_async(flat, group, "sum").wait()
+        bucket.pending = collectives.all_reduce_async(flat, lines[-1][1], "sum")
+        recorded = [axes] if len(lines) == 1 else [line_axes for line_axes, _ in lines]
+        _trace.record(None, ["all_reduce"] * len(lines), recorded)
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s all_reduce and set each ``.grad`` to its reduced piece."""
