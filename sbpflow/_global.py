@@ -638,8 +638,10 @@ def _after_accumulate(leaf: torch.Tensor) -> None:
 # is not referenced (weakly: ``torch.utils.swap_tensors``, which
 # ``module.to(...)`` uses, refuses a tensor with weakrefs; strongly: the table
 # would keep every leaf alive). So the record goes with what it describes:
-# - the owner or its hook collected: the entry is dropped (before the leaf is
-#   freed, as the owner holds the leaves whose gradients it takes);
+# - the owner collected: the entry is dropped (before the leaf is freed, as the
+#   owner holds the leaves whose gradients it takes);
+# - its hook removed (the owner stopping): no owner, until it takes the
+#   gradients back (``take_back_gradients``, which reads the record itself);
 # - a swap (``module.float()``) gives the leaf another tensor's hooks, without
 #   the receipt: no owner, as a new leaf (the buckets find it again);
 # - ``p.data = ...`` keeps the hooks: the same owner;
@@ -653,6 +655,7 @@ class GradientOwners:
         self._by_leaf: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 
     def of(self, leaf: GlobalTensor) -> object | None:
+        """The owner, while its receipt is among the hooks ``leaf`` runs."""
         found = self._by_leaf.get(id(leaf))
         if found is None:
             return None
@@ -662,6 +665,11 @@ class GradientOwners:
         held = any(hook is receipt for hook in _pre_hooks(leaf).values())
         return owner if held else None
 
+    def recorded(self, leaf: GlobalTensor) -> object | None:
+        """The owner recorded for ``leaf``, whether or not its receipt is still there."""
+        found = self._by_leaf.get(id(leaf))
+        return None if found is None else found[0]()
+
     def hand_over(self, leaf: GlobalTensor, owner: object, receipt: Callable[..., Any]) -> None:
         key, table = id(leaf), self._by_leaf
 
@@ -669,7 +677,7 @@ class GradientOwners:
             if table.get(key) is entry:
                 del table[key]
 
-        entry = (weakref.ref(owner, gone), weakref.ref(receipt, gone))
+        entry = (weakref.ref(owner, gone), weakref.ref(receipt))
         table[key] = entry
 
     def take_back(self, leaf: GlobalTensor) -> None:
@@ -697,7 +705,8 @@ def hand_over_gradients(leaf: torch.Tensor, owner: object, receipt: Callable[...
 
 def take_back_gradients(leaf: torch.Tensor, owner: object) -> None:
     """``owner`` stops putting ``leaf``'s gradients in place: its layout hooks come back."""
-    if not isinstance(leaf, GlobalTensor) or GRADIENT_OWNERS.of(leaf) is not owner:
+    # Asked of the record, not of ``of``: the owner may have removed its hooks first.
+    if not isinstance(leaf, GlobalTensor) or GRADIENT_OWNERS.recorded(leaf) is not owner:
         return
     GRADIENT_OWNERS.take_back(leaf)
     keep_grad_layout(leaf)
