@@ -29,6 +29,8 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -469,29 +471,33 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     the leaf is broadcast is shown to the handler of partial gradients, if one
     is bound (NOTE [partial gradients of leaves]).
     """
-    if not isinstance(leaf, GlobalTensor) or leaf.__dict__.get(_HOOKS) is not None:
+    if (
+        not isinstance(leaf, GlobalTensor)
+        or _has_layout_hooks(leaf)
+        or gradient_owner(leaf) is not None
+    ):
         return
-    pre = register_grad_hook(leaf, _to_own_layout)
-    post = leaf.register_post_accumulate_grad_hook(_after_accumulate)
-    leaf.__dict__[_HOOKS] = _NotCopied(_LayoutHooks((pre, post), None))
+    register_grad_hook(leaf, _to_own_layout)
+    leaf.register_post_accumulate_grad_hook(_after_accumulate)
 
 
-_HOOKS = "_grad_hooks"  # a leaf's ``_LayoutHooks``, as ``_NotCopied``
+def _pre_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
+    """The gradient pre-hooks ``register_grad_hook`` put on ``leaf``: the dict it keeps in
+    ``__dict__``, which a swap exchanges with the tensor that runs them (``_backward_hooks``
+    stays behind on the Python object)."""
+    mine = leaf.__dict__.get("_grad_hooks_dict")
+    return {} if mine is None or mine.value is None else mine.value
 
 
-class _LayoutHooks:
-    """A leaf's layout hooks: their handles, or the object its gradients were handed over to."""
-
-    __slots__ = ("arrived_partial", "handles", "owner")
-
-    def __init__(self, handles: tuple[Any, ...], owner: object | None) -> None:
-        self.handles, self.owner = handles, owner
-        self.arrived_partial = False  # this backward pass, between the two hooks
+def _has_layout_hooks(leaf: GlobalTensor) -> bool:
+    return any(hook is _to_own_layout for hook in _pre_hooks(leaf).values())
 
 
-def _layout_hooks(leaf: torch.Tensor) -> _LayoutHooks | None:
-    held = leaf.__dict__.get(_HOOKS)
-    return None if held is None else held.value
+def _remove_layout_hooks(leaf: GlobalTensor) -> None:
+    """What removing the handles of ``keep_grad_layout``'s hooks does, found by the hooks."""
+    for hooks in (_pre_hooks(leaf), leaf._post_accumulate_grad_hooks or {}):
+        for key in [k for k, hook in hooks.items() if is_layout_hook(hook)]:
+            del hooks[key]
 
 
 # NOTE [hooks that find their leaf]
@@ -502,11 +508,14 @@ def _layout_hooks(leaf: torch.Tensor) -> _LayoutHooks | None:
 # cannot see), no weakref is taken (``torch.utils.swap_tensors``, which
 # ``module.to(...)`` uses on global parameters, refuses tensors with weakrefs),
 # and the leaf's ``__dict__`` is always the leaf's own: a swap moves it with the
-# tensor, and ``copy.copy``/``copy.deepcopy`` give the copy a new one. What the
-# hooks keep in ``__dict__`` for their own bookkeeping (handles, the hook dict,
-# the owner its gradients were handed over to) is ``_NotCopied``: a copy has
-# hooks of its own, not these, and no owner (NOTE [copies of global tensors] in
-# _saving).
+# tensor, and ``copy.copy``/``copy.deepcopy`` give the copy a new one. The hooks
+# keep no record of their own on the tensor: whether a leaf has them is read off
+# its hook dicts (the dict tied to it is kept in ``__dict__`` as ``_NotCopied``
+# autograd plumbing, ``register_grad_hook``), a gradient that arrived partial is
+# noted for the post-hook on the running thread (``_ARRIVED``), and the object
+# its gradients were handed over to is in ``GRADIENT_OWNERS`` (NOTE [gradient
+# owners]). A copy has hooks of its own, not these, and no owner (NOTE [copies
+# of global tensors] in _saving).
 class _NotCopied:
     """A value in a tensor's ``__dict__`` that ``copy.deepcopy`` and pickling drop (to None)."""
 
@@ -531,12 +540,11 @@ def _to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
     leaf = getattr(torch._C._current_autograd_node(), "variable", None)
     if leaf is None:
         return None
-    hooks = _layout_hooks(leaf)
     own: Layout = leaf._meta.layout
-    if hooks is None or not isinstance(grad, GlobalTensor) or grad._layout == own:
+    if not isinstance(grad, GlobalTensor) or grad._layout == own:
         return None
     if _partial_on_a_data_axis(grad._layout, own):
-        hooks.arrived_partial = True
+        _ARRIVED.leaf = leaf  # for ``_after_accumulate``, next on this thread
         handler = _partial_gradients
         if handler is not None and handler.holds(leaf):
             return None  # accumulated as it is, reduced later (NOTE [partial gradients of leaves])
@@ -607,10 +615,9 @@ def bind_partial_gradients(handler: PartialGradients) -> None:
 
 def _after_accumulate(leaf: torch.Tensor) -> None:
     """Post-accumulate-grad hook of ``keep_grad_layout``: a gradient that arrived partial."""
-    hooks = _layout_hooks(leaf)
-    if hooks is None or not hooks.arrived_partial:
+    if getattr(_ARRIVED, "leaf", None) is not leaf:
         return
-    hooks.arrived_partial = False
+    _ARRIVED.leaf = None
     handler = _partial_gradients
     if handler is None or not handler.holds(leaf):  # type: ignore[arg-type]
         # A gradient accumulated partial inside no_sync() is still partial: box the sum.
@@ -621,31 +628,93 @@ def _after_accumulate(leaf: torch.Tensor) -> None:
         handler.sees(leaf)  # type: ignore[arg-type]
 
 
-def hand_over_gradients(leaf: torch.Tensor, owner: object) -> None:
-    """From now on ``owner`` puts ``leaf``'s gradients in place: the layout hooks are removed
+# NOTE [gradient owners]
+# An object may take a leaf's gradients over (``hand_over_gradients``: the
+# data-parallel ``GradientSync`` that reduces them in buckets) with a gradient
+# pre-hook of its own, its receipt. The record is kept here, not on the tensor:
+# ``GRADIENT_OWNERS`` maps the leaf's ``id`` to weak references to the owner and
+# the receipt, and holds while the receipt is among the hooks the leaf runs
+# (the dict ``register_grad_hook`` keeps in its ``__dict__``). The leaf itself
+# is not referenced (weakly: ``torch.utils.swap_tensors``, which
+# ``module.to(...)`` uses, refuses a tensor with weakrefs; strongly: the table
+# would keep every leaf alive). So the record goes with what it describes:
+# - the owner collected: the entry is dropped (before the leaf is freed, as the
+#   owner holds the leaves whose gradients it takes);
+# - its hook removed (the owner stopping): no owner, until it takes the
+#   gradients back (``take_back_gradients``, which reads the record itself);
+# - a swap (``module.float()``) gives the leaf another tensor's hooks, without
+#   the receipt: no owner, as a new leaf (the buckets find it again);
+# - ``p.data = ...`` keeps the hooks: the same owner;
+# - a copy is another object: no owner.
+# What keeps the owner alive is the owner's affair (a ``GradientSync`` is held
+# by its parameters' gradient pre-hooks, NOTE [who owns a sync] in _reducer).
+class GradientOwners:
+    """The objects leaves' gradients were handed over to, by leaf (NOTE [gradient owners])."""
+
+    def __init__(self) -> None:
+        self._by_leaf: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+
+    def of(self, leaf: GlobalTensor) -> object | None:
+        """The owner, while its receipt is among the hooks ``leaf`` runs."""
+        found = self._by_leaf.get(id(leaf))
+        if found is None:
+            return None
+        owner, receipt = found[0](), found[1]()
+        if owner is None or receipt is None:
+            return None
+        held = any(hook is receipt for hook in _pre_hooks(leaf).values())
+        return owner if held else None
+
+    def recorded(self, leaf: GlobalTensor) -> object | None:
+        """The owner recorded for ``leaf``, whether or not its receipt is still there."""
+        found = self._by_leaf.get(id(leaf))
+        return None if found is None else found[0]()
+
+    def hand_over(self, leaf: GlobalTensor, owner: object, receipt: Callable[..., Any]) -> None:
+        key, table = id(leaf), self._by_leaf
+
+        def gone(_: weakref.ref[Any]) -> None:
+            if table.get(key) is entry:
+                del table[key]
+
+        entry = (weakref.ref(owner, gone), weakref.ref(receipt))
+        table[key] = entry
+
+    def take_back(self, leaf: GlobalTensor) -> None:
+        self._by_leaf.pop(id(leaf), None)
+
+
+GRADIENT_OWNERS = GradientOwners()
+
+# The leaf whose gradient the pre-hook found partial on a data axis, for the post-hook that
+# runs next on the same thread (AccumulateGrad runs both, NOTE [hooks that find their leaf]).
+_ARRIVED = threading.local()
+
+
+def hand_over_gradients(leaf: torch.Tensor, owner: object, receipt: Callable[..., Any]) -> None:
+    """From now on ``owner`` puts ``leaf``'s gradients in place, with ``receipt``, a gradient
+    pre-hook it registered on ``leaf`` (``register_grad_hook``): the layout hooks are removed
     (backward makes fewer Python calls per parameter) until ``take_back_gradients``. A copy of
-    the leaf has hooks of its own and no owner."""
+    the leaf has hooks of its own and no owner. ``owner`` must hold ``leaf`` while it owns its
+    gradients (NOTE [gradient owners])."""
     if not isinstance(leaf, GlobalTensor):
         return
-    hooks = _layout_hooks(leaf)
-    if hooks is not None:
-        for handle in hooks.handles:
-            handle.remove()
-    leaf.__dict__[_HOOKS] = _NotCopied(_LayoutHooks((), owner))
+    _remove_layout_hooks(leaf)
+    GRADIENT_OWNERS.hand_over(leaf, owner, receipt)
 
 
 def take_back_gradients(leaf: torch.Tensor, owner: object) -> None:
     """``owner`` stops putting ``leaf``'s gradients in place: its layout hooks come back."""
-    if not isinstance(leaf, GlobalTensor) or gradient_owner(leaf) is not owner:
+    # Asked of the record, not of ``of``: the owner may have removed its hooks first.
+    if not isinstance(leaf, GlobalTensor) or GRADIENT_OWNERS.recorded(leaf) is not owner:
         return
-    del leaf.__dict__[_HOOKS]
+    GRADIENT_OWNERS.take_back(leaf)
     keep_grad_layout(leaf)
 
 
 def gradient_owner(leaf: torch.Tensor) -> object | None:
     """The object ``leaf``'s gradients were handed over to (``hand_over_gradients``), or None."""
-    hooks = _layout_hooks(leaf) if isinstance(leaf, GlobalTensor) else None
-    return None if hooks is None else hooks.owner
+    return GRADIENT_OWNERS.of(leaf) if isinstance(leaf, GlobalTensor) else None
 
 
 def has_only_layout_hooks(leaf: GlobalTensor) -> bool:

@@ -32,10 +32,11 @@
 # otherwise use, writes plain values). As for a plain ``nn.Parameter``, the copy keeps the
 # attributes in its ``__dict__`` but not the gradient hooks: a leaf that requires grad gets
 # hooks of its own (``keep_grad_layout``). What belongs to the original alone is not
-# copied: the handles of its hooks and the object its gradients were handed over to
-# (the data-parallel buckets that reduce them), all ``_NotCopied`` values. The
-# buckets keep their state on their own objects, not on the tensor; a copy's
-# gradient is found by the gradient discovery as any new leaf's is.
+# copied: the dict of its gradient hooks (a ``_NotCopied`` value) and the object its
+# gradients were handed over to (the data-parallel buckets that reduce them, found by
+# the original's identity, NOTE [gradient owners] in _global). The buckets keep their
+# state on their own objects, not on the tensor; a copy's gradient is found by the
+# gradient discovery as any new leaf's is.
 """
 
 from __future__ import annotations

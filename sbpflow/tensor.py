@@ -86,18 +86,19 @@ def _materialise(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     local = x.detach()
     if rank in pl and all(isinstance(s, Broadcast) for s in layout.sbp):
         local = _own_storage(local)  # NOTE [own storage]
-    if b_axes:
-        found = MESHES.of(pl, "to_global").group(tuple(b_axes))
-        if found is not None:
-            ranks, _ = found
-            # The head only sends (dist.broadcast leaves its buffer untouched).
-            buffer = (
-                local.contiguous()
-                if rank == ranks[0]
-                else torch.empty_like(local, memory_format=torch.contiguous_format)
-            )
-            local = collectives.broadcast(buffer, ranks[0], found)
-            _trace.record(None, ["broadcast"], [tuple(b_axes)])
+    # From the first rank along the broadcast axes: along all of them at once, or along one
+    # after another where the mesh has no group of them together (``Mesh.lines``).
+    lines = MESHES.of(pl, "to_global").lines(b_axes) if b_axes else []
+    for line_axes, found in lines:
+        ranks, _ = found
+        # The head only sends (dist.broadcast leaves its buffer untouched).
+        buffer = (
+            local.contiguous()
+            if rank == ranks[0]
+            else torch.empty_like(local, memory_format=torch.contiguous_format)
+        )
+        local = collectives.broadcast(buffer, ranks[0], found)
+        _trace.record(None, ["broadcast"], [tuple(b_axes) if len(lines) == 1 else line_axes])
     if rank not in pl:  # empty, on this rank's device of the placement's type
         return local.new_empty(empty_local_shape(local.dim()), device=device_for(pl.type))
     return local

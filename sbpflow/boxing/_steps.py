@@ -74,9 +74,10 @@ class Values:
 
 
 def axis_groups(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every non-empty set of mesh axes with more than one rank, smallest sets first."""
-    axes = [a for a, n in enumerate(mesh_shape) if n > 1]
-    return [group for k in range(1, len(axes) + 1) for group in itertools.combinations(axes, k)]
+    """The sets of mesh axes a step runs on: each axis with more than one rank, then all of
+    them together (the groups a mesh makes: NOTE [meshes] in comm/_mesh.py)."""
+    axes = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+    return [(a,) for a in axes] + ([axes] if len(axes) > 1 else [])
 
 
 def states(mesh_shape: Sequence[int], values: Sequence[SbpParallel]) -> list[NdSbp]:

@@ -38,7 +38,11 @@
 # rows as (S(0), S(0)) on 2x2 are 2,1,2,1 per member; flat over 4 would be
 # 2,2,1,1). cost.py counts latency in ceil(log2 p) rounds, so a merged
 # collective never costs more than the chain of per-axis ones it replaces and
-# saves their step overheads: the search prefers it.
+# saves their step overheads: the search prefers it. The merged axes are all
+# the mesh's axes of more than one rank, never some of them: a mesh makes a
+# group per axis and one of the whole mesh, no others (NOTE [meshes] in
+# comm/_mesh.py; on three axes of more than one rank that is 4 groups of
+# ranks, not 7), so a step over a strict subset would have no group to run on.
 #
 # The search is Dijkstra over (placement, N-D SBP) states; edges are made as
 # states are reached (_steps.py) and weighted by the alpha-beta model in

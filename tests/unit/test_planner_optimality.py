@@ -73,10 +73,9 @@ class Exhaustive:
         self.shape, self.mesh = shape, tuple(placement.shape)
         self.links = links or {}
         self.values = [B, P] + [Split(d) for d in range(len(shape))]
-        moving = [a for a, n in enumerate(self.mesh) if n > 1]
-        self.axis_sets = [
-            c for k in range(1, len(moving) + 1) for c in itertools.combinations(moving, k)
-        ]
+        moving = tuple(a for a, n in enumerate(self.mesh) if n > 1)
+        # The groups a mesh makes: one per axis, one of the whole mesh (NOTE [meshes]).
+        self.axis_sets = [(a,) for a in moving] + ([moving] if len(moving) > 1 else [])
         self._edges: dict[tuple, list[tuple[tuple, float, str, tuple[int, ...]]]] = {}
 
     def _block_bytes(self, sbp: tuple, axes: tuple[int, ...]) -> int:

@@ -142,13 +142,13 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
     for (placement, axes), mine in groups.items():
         if rank not in placement:
             continue
-        found = MESHES.of(placement, "gradient buckets").group(axes)
-        assert found is not None  # rank is in the placement
-        ranks, handle = found
-        if handle is None:
+        lines = MESHES.of(placement, "gradient buckets").lines(axes)
+        assert lines  # rank is in the placement
+        ranks = next(g for g in placement.groups_along(axes) if rank in g)
+        if len(ranks) == 1:
             continue
         value = stable_hash(repr([(tuple(m.param.shape), m.param.dtype) for m in mine]))
-        if not collectives.same_in_group(value, found, mine[0].local.device):
+        if not _same_along(value, [group for _, group in lines], mine[0].local.device):
             raise RuntimeError(
                 f"sbpflow: the data-parallel ranks {list(ranks)} computed the gradients of "
                 "different parameters, or in a different order, in this backward pass, so their "
@@ -156,3 +156,15 @@ def _check_same_order(members: Sequence[GlobalParam]) -> None:
                 "on its own slice of the batch; this rank's were "
                 f"{', '.join(m.label for m in mine[:4])}{', ...' if len(mine) > 4 else ''}."
             )
+
+
+def _same_along(value: int, lines: Sequence[collectives.Group], device: torch.device) -> bool:
+    """``collectives.same_in_group`` over the groups ``lines`` reduce along one after another
+    (``Mesh.lines``): the largest value and minus the smallest, carried from one to the next."""
+    if len(lines) == 1:
+        return collectives.same_in_group(value, lines[0], device)
+    pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    for group in lines:
+        pair = collectives.all_reduce(pair, group, "max", inplace=True)
+    largest, minus_smallest = pair.tolist()
+    return largest == -minus_smallest

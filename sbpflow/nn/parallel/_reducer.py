@@ -70,12 +70,16 @@
 # NOTE [who owns a sync]
 # A ``GradientSync`` lives as long as what made it holds it: each global
 # parameter it reduces (the parameter's gradients are handed over to it,
-# ``hand_over_gradients`` in ``_global``, and ``GradientSync.of(p)`` finds it), or
-# the ``DistributedDataParallel`` wrapper. Its gradient hooks hold it weakly:
-# they are kept by the parameter's C++ autograd metadata, which the garbage
-# collector cannot see into, so a strong reference there would keep the
-# parameters, the sync and its buffers alive forever once the model is dropped
-# (sync -> parameter -> hook -> sync). The parameters are never held weakly:
+# ``hand_over_gradients`` in ``_global``, whose table ``GradientSync.of(p)`` reads
+# and which holds the sync weakly), or the ``DistributedDataParallel`` wrapper. A
+# global parameter holds it through its gradient pre-hook: the dict of those hooks
+# is kept in the parameter's ``__dict__`` (``register_grad_hook``), where the
+# garbage collector sees the cycle sync -> parameter -> hook -> sync and frees it
+# once the model is dropped. The other hooks hold it weakly: the post-accumulate
+# ones are kept by C++ autograd metadata the collector cannot see into (a strong
+# reference there would keep the parameters, the sync and its buffers alive
+# forever), and a plain parameter's hooks must not keep the sync of a dropped
+# wrapper reducing. The parameters are never held weakly:
 # ``torch.utils.swap_tensors`` (``module.to(...)``) refuses tensors with weakrefs.
 
 # NOTE [gradients are bucket views]
@@ -212,14 +216,16 @@ class GradientSync:
         self._buckets = self._make_buckets()
         self._where = {id(m.param): m for m in self._members}
         self._handles = []
-        for m in self._members:
-            if isinstance(m, GlobalParam):
-                hand_over_gradients(m.param, self)  # the parameter holds its sync
-        # The hooks hold the sync weakly (NOTE [who owns a sync]).
+        # A global parameter's pre-hook holds the sync; the other hooks hold it weakly (NOTE
+        # [who owns a sync]).
         me = weakref.ref(self)
         for index, m in enumerate(self._members):
-            self._handles.append(register_grad_hook(m.param, _pre_hook(me, index)))
+            held = functools.partial(_itself, self) if isinstance(m, GlobalParam) else me
+            before = _pre_hook(held, index)
+            self._handles.append(register_grad_hook(m.param, before))
             self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me)))
+            if isinstance(m, GlobalParam):
+                hand_over_gradients(m.param, self, before)  # found by GradientSync.of
 
     def __deepcopy__(self, memo: Any) -> None:
         """A copy of a global parameter gets no sync: its copy joins buckets of its own
@@ -268,7 +274,10 @@ class GradientSync:
     def of(param: torch.Tensor) -> GradientSync | None:
         """The sync that reduces the gradients of the global parameter ``param``, if any."""
         owner = gradient_owner(param)
-        return owner if isinstance(owner, GradientSync) else None
+        if not isinstance(owner, GradientSync):
+            return None
+        m = owner._where.get(id(param))
+        return owner if m is not None and m.param is param else None
 
     def reduce_accumulated(self) -> None:
         """Reduce, in the buckets and at once, the gradients accumulated in ``.grad`` (at the
@@ -413,10 +422,13 @@ class GradientSync:
         if not axes:  # every gradient is already broadcast: nothing to reduce
             bucket.pending = collectives.PendingCollective("all_reduce", (rank,), flat, None)
             return
-        group = MESHES.of(bucket.placement, "gradient buckets").group(axes)  # NOTE [teardown]
-        assert group is not None, f"rank {rank} is not in {bucket.placement}"
-        bucket.pending = collectives.all_reduce_async(flat, group, "sum")
-        _trace.record(None, ["all_reduce"], [axes])
+        lines = MESHES.of(bucket.placement, "gradient buckets").lines(axes)  # NOTE [teardown]
+        assert lines, f"rank {rank} is not in {bucket.placement}"
+        for _, group in lines[:-1]:  # axes with no group of their own: one after another
+            collectives.all_reduce_async(flat, group, "sum").wait()
+        bucket.pending = collectives.all_reduce_async(flat, lines[-1][1], "sum")
+        recorded = [axes] if len(lines) == 1 else [line_axes for line_axes, _ in lines]
+        _trace.record(None, ["all_reduce"] * len(lines), recorded)
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s all_reduce and set each ``.grad`` to its reduced piece."""
@@ -436,8 +448,12 @@ def _no_sync_object() -> None:
     return None
 
 
+def _itself(sync: GradientSync) -> GradientSync:
+    return sync
+
+
 def _pre_hook(
-    sync: weakref.ref[GradientSync], index: int
+    sync: Callable[[], GradientSync | None], index: int
 ) -> Callable[[torch.Tensor], torch.Tensor | None]:
     def before_accumulate(grad: torch.Tensor) -> torch.Tensor | None:
         me = sync()
