@@ -11,8 +11,10 @@
 # collectives, NOTE [traced collectives] in comm/_functional.py) or something
 # that need not happen at run time (the metadata check, publishing the user's
 # line for timeout errors, recording ``boxing.trace``). What cannot be either
-# refuses to be traced: random ops (the logical random state advances in
-# Python; Dynamo then breaks the graph and runs them eagerly), making a global
+# refuses to be traced: random ops other than dropout (the logical random state
+# advances in Python; Dynamo then breaks the graph and runs them eagerly;
+# dropout draws through an opaque op instead, NOTE [compiled dropout] in
+# ops/nn_random.py), making a global
 # tensor from local ones and explicit ``to_global`` boxing (graph breaks), boxing
 # between placements (an error).
 """

@@ -233,7 +233,7 @@ def take(numel: int) -> tuple[int, int]:
     global _offset
     if compiling():
         raise RandomOpWhileTracing(
-            "sbpflow: a random op on a global tensor (dropout with p > 0, bernoulli, normal_, "
+            "sbpflow: a random op on a global tensor (bernoulli, normal_, "
             "sbpflow.randn, ...) cannot be traced into a torch.compile graph: sbpflow's logical "
             "random state advances in Python, which a compiled graph would freeze. torch.compile "
             "breaks the graph and runs it eagerly; with fullgraph=True, call it outside the "

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import _rng
+from .._compiling import compiling
 from .._layout import Layout
 from ..sbp import Split
 from ._helpers import B, P, bind, local_piece
@@ -142,10 +143,52 @@ def _native_dropout_local(
     # partial piece is masked the same way, so their sum is masked.
     layout = ctx.input_layouts[0]
     mask_layout = Layout(layout.placement, tuple(B if s.is_partial else s for s in layout.sbp))
-    gen = logical_generator(bound, ctx, x.device)
-    mask = local_piece(_full(ctx, x).bernoulli_(keep, generator=gen), mask_layout, ctx.rank)
+    if compiling():  # NOTE [compiled dropout]
+        box = mask_layout.box(tuple(ctx.input_metas[0].shape), ctx.rank)
+        mask = torch.ops.sbpflow.logical_bernoulli(
+            x, keep, list(ctx.input_metas[0].shape), [a for a, _ in box]
+        )
+    else:
+        gen = logical_generator(bound, ctx, x.device)
+        mask = local_piece(_full(ctx, x).bernoulli_(keep, generator=gen), mask_layout, ctx.rank)
     scale = 0.0 if keep == 0 else 1.0 / keep
     return x * mask * scale, mask.to(torch.bool)
+
+
+# NOTE [compiled dropout]
+# A compiled graph cannot hold the logical random state (it advances in Python),
+# so other random ops break the graph (``_rng.take``). Dropout, the one random op
+# real models run every step, instead puts ``sbpflow::logical_bernoulli`` in the
+# graph: an opaque op that, when the compiled graph runs, claims the positions
+# and draws the whole logical mask exactly as the eager path does, then keeps
+# this rank's box of it. So a compiled model draws the masks eager sbpflow draws
+# from the same seed, in the order the graph runs its dropouts (the same on every
+# rank: every rank runs the same graph). Tagged ``nondeterministic_seeded`` so
+# that no pass merges two draws or recomputes one in the backward; the mask is
+# saved for the backward like native_dropout's.
+
+
+@torch.library.custom_op(
+    "sbpflow::logical_bernoulli", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def logical_bernoulli(
+    like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
+) -> torch.Tensor:
+    """This rank's box (at ``starts``, ``like``'s shape) of a Bernoulli(``keep``) draw of
+    the whole logical tensor at the program's next random positions (NOTE [compiled dropout])."""
+    seed, offset = _rng.take(math.prod(logical_shape))
+    gen = _rng.generator(seed, offset, like.device)
+    full = torch.empty(logical_shape, dtype=like.dtype, device=like.device)
+    full.bernoulli_(keep, generator=gen)
+    box = tuple(slice(a, a + n) for a, n in zip(starts, like.shape, strict=True))
+    return full[box].clone()
+
+
+@logical_bernoulli.register_fake
+def _logical_bernoulli_fake(
+    like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
+) -> torch.Tensor:
+    return torch.empty_like(like)
 
 
 @register(aten.native_dropout.default, family="nn", local=_native_dropout_local)
