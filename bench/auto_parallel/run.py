@@ -67,7 +67,7 @@ import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._global import GlobalTensor  # noqa: E402
-from sbpflow.auto_parallel import calibrate_compute  # noqa: E402
+from sbpflow.auto_parallel import calibrate_compute, reprice  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -214,7 +214,7 @@ def _leaves(inputs: Any) -> list[torch.Tensor]:
 
 
 def _calibrated(placement: Any) -> tuple[Any, Any]:
-    """This machine's collective and compute prices, measured once per run on every rank
+    """This machine's collective and compute prices, measured before each case on every rank
     (rank 0's broadcast); the runtime's own boxing keeps the default constants."""
     from sbpflow.boxing import cost
 
@@ -223,9 +223,7 @@ def _calibrated(placement: Any) -> tuple[Any, Any]:
     return collectives.model, calibrate_compute(placement)
 
 
-def _variants(
-    case: str, prices: tuple[Any, Any]
-) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
+def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
     """The step of each variant, and what to report: the plan's predictions, the losses."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -249,12 +247,6 @@ def _variants(
         x,
         fixed=fixed,
         memory_budget=budget,
-    )
-    # the same parameter and input layouts priced with this machine's measured constants
-    pins: dict[Any, Any] = dict(plan.param_sbp)
-    pins.update(enumerate(plan.input_sbp))
-    calibrated = sbpflow.auto_parallel(
-        base, placement, x, fixed=pins, cost_model=prices[0], compute_model=prices[1]
     )
     planned = plan.apply(copy.deepcopy(base))
     gx = x.to_global(*whole).to_global(sbp=plan.input_sbp[0])
@@ -312,13 +304,13 @@ def _variants(
         "want": want,
         "losses": losses,
         "predicted_ms": plan.step_seconds * 1e3,
-        "calibrated_ms": calibrated.step_seconds * 1e3,
         "predicted_peak": memory.peak,
         "predicted_state": memory.parameters + memory.gradients + memory.optimizer_state,
         "budget": budget,
         "layouts": sorted({str(s) for s in plan.param_sbp.values()}),
         "collectives": _count(c for c in plan.collectives() if c.is_collective),
         "batches": batches,
+        "repriced": (plan, base, x),
     }
     return steps, record
 
@@ -336,10 +328,24 @@ def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> No
     warnings.filterwarnings("ignore")
     results = {}
     placement = sbpflow.placement("cpu", list(range(WORLD)))
-    prices = _calibrated(placement)
     for case in cases:
-        steps, record = _variants(case, prices)
+        steps, record = _variants(case)
+        # the plan's strategies, op by op, priced with this machine's constants measured
+        # just before and just after the case's steps (the load drifts), averaged
+        before = _calibrated(placement)
         times, _cpu = interleaved_step_times(steps, WARMUP, reps)
+        after = _calibrated(placement)
+        plan, base, x = record.pop("repriced")
+        priced = [
+            reprice(plan, base, x, cost_model=cost, compute_model=compute)
+            for cost, compute in (before, after)
+        ]
+        record["calibrated_ms"] = statistics.mean(p.step_seconds for p in priced) * 1e3
+        record["calibrated_parts"] = [
+            statistics.mean(getattr(p, part) for p in priced) * 1e3
+            for part in ("compute_seconds", "boxing_seconds", "optimizer_seconds")
+        ]
+        record["compute_model"] = f"{before[1]}, {after[1]}"
         held, peak, ran = {}, {}, {}
         batches = record.pop("batches")
         for name, step in steps.items():
@@ -352,7 +358,6 @@ def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> No
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             held[name], peak[name] = mine.tolist()
         record.update(held=held, peak=peak, ran=ran)
-        record["compute_model"] = str(prices[1])
         results[case] = (times, record)
     if rank == 0:
         queue.put(results)
@@ -399,17 +404,22 @@ def main() -> None:
         step = {name: statistics.median(ms) for name, ms in medians.items()}
         peaks = {name: statistics.median(r[case][1]["peak"][name] for r in runs) for name in step}
         predicted_ms = statistics.median(r[case][1]["calibrated_ms"] for r in runs)
+        parts = [
+            statistics.median(r[case][1]["calibrated_parts"][i] for r in runs) for i in range(3)
+        ]
         best_hand = min(v for k, v in step.items() if k != PLAN)
         rows = [
             f"### {case}",
             "",
             f"Plan: parameter layouts {', '.join(record['layouts'])}; predicted step "
             f"{record['predicted_ms']:.1f} ms by the default prices, {predicted_ms:.1f} ms by "
-            f"this machine's (median over runs), predicted peak {_mib(record['predicted_peak'])} "
+            f"this machine's (median over runs; compute {parts[0]:.1f}, boxing {parts[1]:.1f}, "
+            f"optimizer {parts[2]:.1f}), predicted peak {_mib(record['predicted_peak'])} "
             f"MiB per rank, of which parameters, gradients and optimizer state "
             f"{_mib(record['predicted_state'])} MiB"
             + (f"; budget {_mib(record['budget'])} MiB." if record["budget"] else ".")
-            + f" Predicted collectives per step: {_ops(record['collectives'])}.",
+            + f" Predicted collectives per step: {_ops(record['collectives'])}. Measured "
+            f"compute prices (last run, before and after): {record['compute_model']}.",
             "",
             "| variant | median step ms (median of runs) | each run's median ms | / plan | "
             "collectives per step (rank 0) | measured peak MiB per rank | "
@@ -447,7 +457,7 @@ def main() -> None:
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
-            "the output. Each run measures this machine's prices on every rank "
+            "the output. Each case measures this machine's prices on every rank, just before its steps "
             "(`sbpflow.boxing.calibrate` over 4 KiB-4 MiB blocks, "
             "`sbpflow.auto_parallel.calibrate_compute`); the plans are made with the "
             "default prices (deterministic), and the predicted step is their layouts "
