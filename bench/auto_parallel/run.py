@@ -1,12 +1,12 @@
 """Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
 
 One run spawns 2 gloo ranks on this machine. Every rank plans with ``sbpflow.auto_parallel``
-(default prices, AdamW state counted), measures the machine's prices
+(default prices, AdamW state counted) and trains with AdamW, one step at a time
+(zero_grad, forward, mean-square loss of the output, backward, optimizer.step). Just before
+and just after each case's steps it measures the machine's prices
 (``sbpflow.boxing.calibrate`` for the collectives, ``calibrate_compute`` for compute; rank
-0's numbers shared) and prices the plan's parameter and input layouts with them for the
-predicted step, and trains with AdamW,
-one step at a time (zero_grad, forward, mean-square loss of the output, backward,
-optimizer.step). Four comparisons, each its variants interleaved:
+0's numbers shared); the predicted step is the plan's strategies priced with each
+(``sbpflow.auto_parallel.reprice``), averaged. Four comparisons, each its variants interleaved:
 
 - ``mlp``: bench/tp's 4 residual blocks ``x + down(GELU(up(LayerNorm(x))))`` (256 -> 1024 ->
   256, 512 rows), the batch fixed broadcast: the plan (``plan.apply``, its module boundaries
@@ -457,11 +457,13 @@ def main() -> None:
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
-            "the output. Each case measures this machine's prices on every rank, just before its steps "
+            "the output. Each case measures this machine's prices on every rank, just before "
+            "and just after its steps "
             "(`sbpflow.boxing.calibrate` over 4 KiB-4 MiB blocks, "
             "`sbpflow.auto_parallel.calibrate_compute`); the plans are made with the "
-            "default prices (deterministic), and the predicted step is their layouts "
-            "priced with the measured ones, median over runs. Measured peak: the CPU allocator's largest "
+            "default prices (deterministic), and the predicted step is their strategies "
+            "priced with the measured ones (`reprice`, before and after averaged), median "
+            "over runs. Measured peak: the CPU allocator's largest "
             "net growth during one step (torch.profiler memory events) on top of the "
             "parameters, optimizer state and batch held at its start (gradients cleared "
             "first), the larger rank's; DTensor's collectives are not traced. "

@@ -13,12 +13,14 @@
 # (NOTE [default prices]: each captured op once forward and once backward), so a plan priced
 # with the result pays for a step what the tiny model paid per op. An AdamW step on the tiny
 # model's parameters, divided by the ops it is priced for, gives the seconds per update op
-# (tiny tensors: its bytes do not count). Each rate is the median
-# of ``repeats`` timings: the step it predicts is timed as a median too, and on a shared
-# machine the best of a few runs catches moments the step never sees. In a job, rank 0's
-# numbers are broadcast so every rank plans with identical constants (ranks planning apart
-# could run different collectives and hang). Nothing is stored: calling it again measures
-# again.
+# (tiny tensors: its bytes do not count). A partial sum of 16 floats boxed to broadcast,
+# less a bare all_reduce of them, gives the eager work of a boxing step beside its
+# collective (planning, layout checks, copies: several times an op's). Each rate is the
+# median of ``repeats`` timings: the step it predicts is timed as a median too, and on a
+# shared machine the best of a few runs catches moments the step never sees. In a job, rank
+# 0's numbers are broadcast so every rank plans with identical constants (ranks planning
+# apart could run different collectives and hang). Nothing is stored: calling it again
+# measures again.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from ..comm._bench import broadcast_from_first
 from ..placement import Placement
-from ..sbp import broadcast
+from ..sbp import broadcast, partial_sum
 from ._capture import Node, capture
 from ._costs import ComputeModel, optimizer_ops
 
@@ -106,9 +108,26 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
     num_updates = optimizer_ops("adamw") * len(list(model.parameters()))
     update_op = _median(update.step, repeats, device) / num_updates
     values = [2.0 * n**3 / mm, 3.0 * numel * x.element_size() / add, op, update_op]
-    if dist.is_available() and dist.is_initialized():
+    joined = dist.is_available() and dist.is_initialized()
+    boxing = _boxing_op(placement, repeats, device) if joined else None
+    values.append(-1.0 if boxing is None else boxing)
+    if joined:
         values = broadcast_from_first(values, device_type)
-    return ComputeModel(*values)
+    return ComputeModel(*values[:4], boxing_op_seconds=None if values[4] < 0 else values[4])
+
+
+def _boxing_op(placement: Placement, repeats: int, device: torch.device) -> float | None:
+    """Eager seconds of one boxing step beside its collective: a partial sum of 16 floats
+    boxed to broadcast (one all_reduce over the placement) less a bare all_reduce of them.
+    ``None`` where the placement is one rank or not the whole world (no bare group to
+    compare with)."""
+    if placement.num_ranks == 1 or placement.num_ranks != dist.get_world_size():
+        return None
+    partial = torch.ones(16, device=device).to_global(placement, partial_sum)
+    bare = torch.ones(16, device=device)
+    boxed = _median(lambda: partial.to_global(sbp=broadcast), repeats, device)
+    raw = _median(lambda: dist.all_reduce(bare), repeats, device)
+    return max(boxed - raw, 0.0)
 
 
 def _device(placement: Placement) -> torch.device:

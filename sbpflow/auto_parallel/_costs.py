@@ -8,7 +8,8 @@
 # rank does, plus ``op_seconds`` for running the op at all (eager dispatch: Python, layout
 # propagation, the autograd node), which every rank pays whatever its share. The backward
 # of an op costs twice its forward's roofline and one more ``op_seconds``. Each boxing step
-# costs its collective (the boxing planner's price) plus ``op_seconds``: issuing it is eager
+# costs its collective (the boxing planner's price) plus ``op_seconds`` (or
+# ``boxing_op_seconds`` where given, as ``calibrate_compute`` measures it): issuing it is eager
 # work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
 # then an all_gather) the one with fewer steps is cheaper. The optimizer's update of each
 # parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local piece
@@ -57,8 +58,22 @@ class ComputeModel:
     bytes_per_second: float
     op_seconds: float = 0.0
     update_op_seconds: float = 0.0
+    # eager work of one boxing step beside its collective (None: ``op_seconds``)
+    boxing_op_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        if self.boxing_op_seconds is not None:
+            value = self.boxing_op_seconds
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"ComputeModel.boxing_op_seconds must be None or a non-negative finite "
+                    f"number, got {value!r}."
+                )
         for name in ("flops_per_second", "bytes_per_second", "op_seconds", "update_op_seconds"):
             value = getattr(self, name)
             positive = name not in ("op_seconds", "update_op_seconds")
@@ -158,7 +173,9 @@ class Prices:
             result = boxing_plan(
                 shape, dtype, (self.placement, src), (self.placement, dst), self.cost_model
             )
-            extra = self.compute.op_seconds  # issuing each step eagerly
+            extra = self.compute.boxing_op_seconds  # issuing each step eagerly
+            if extra is None:
+                extra = self.compute.op_seconds
             steps = tuple(dataclasses.replace(s, cost=s.cost + extra) for s in result.steps)
             found = (result.cost + extra * len(steps), steps)
             self._boxing[key] = found

@@ -375,6 +375,8 @@ def test_compute_model_checks_its_rates() -> None:
         ComputeModel(100e9, 20e9, -1e-6)
     with pytest.raises(ValueError, match="bytes_per_second"):
         ComputeModel(100e9, float("nan"))
+    with pytest.raises(ValueError, match="boxing_op_seconds"):
+        ComputeModel(100e9, 20e9, 50e-6, 15e-6, boxing_op_seconds=-1.0)
 
 
 def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:

@@ -73,7 +73,7 @@ def test_default_prices_are_machine_independent_and_reprice_adds_the_eager_cost(
     machine; ``reprice`` keeps every op's planned strategy and prices it with the constants
     passed: with a free roofline, each op of the step costs ``op_seconds`` forward and
     again backward (every op of these blocks reads a parameter's result), each boxing step
-    its collective plus ``op_seconds``."""
+    its collective plus ``op_seconds`` (or ``boxing_op_seconds`` where given)."""
     model = _model(2, 256, 1024)
     placement = sbpflow.placement("cpu", [0, 1])
     x = torch.randn(512, 256)
@@ -103,3 +103,9 @@ def test_default_prices_are_machine_independent_and_reprice_adds_the_eager_cost(
         assert len(steps) == len(plan.collectives())
         assert all(c.seconds >= op_seconds for c in steps)
         assert abs(priced.boxing_seconds - sum(c.seconds for c in steps)) <= 1e-12
+        # a boxing step's own eager cost, where measured apart (calibrate_compute in a job)
+        boxing = ComputeModel(1e30, 1e30, op_seconds, 0.0, boxing_op_seconds=7 * op_seconds)
+        apart = reprice(plan, model, x, compute_model=boxing).collectives()
+        assert [round(b.seconds - a.seconds, 12) for a, b in zip(steps, apart, strict=True)] == [
+            round(6 * op_seconds, 12)
+        ] * len(steps)
