@@ -1,12 +1,12 @@
 """Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
 
 One run spawns 2 gloo ranks on this machine. Every rank plans with ``sbpflow.auto_parallel``
-(default prices, AdamW state counted), measures the machine's prices
+(default prices, AdamW state counted) and trains with AdamW, one step at a time
+(zero_grad, forward, mean-square loss of the output, backward, optimizer.step). Just before
+and just after each case's steps it measures the machine's prices
 (``sbpflow.boxing.calibrate`` for the collectives, ``calibrate_compute`` for compute; rank
-0's numbers shared) and prices the plan's parameter and input layouts with them for the
-predicted step, and trains with AdamW,
-one step at a time (zero_grad, forward, mean-square loss of the output, backward,
-optimizer.step). Four comparisons, each its variants interleaved:
+0's numbers shared); the predicted step is the plan's strategies priced with each
+(``sbpflow.auto_parallel.reprice``), averaged. Four comparisons, each its variants interleaved:
 
 - ``mlp``: bench/tp's 4 residual blocks ``x + down(GELU(up(LayerNorm(x))))`` (256 -> 1024 ->
   256, 512 rows), the batch fixed broadcast: the plan (``plan.apply``, its module boundaries
@@ -48,6 +48,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,7 @@ import sbpflow  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
 from sbpflow._global import GlobalTensor  # noqa: E402
-from sbpflow.auto_parallel import calibrate_compute  # noqa: E402
+from sbpflow.auto_parallel import calibrate_compute, reprice  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -213,19 +214,27 @@ def _leaves(inputs: Any) -> list[torch.Tensor]:
     return [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
 
 
-def _calibrated(placement: Any) -> tuple[Any, Any]:
-    """This machine's collective and compute prices, measured once per run on every rank
-    (rank 0's broadcast); the runtime's own boxing keeps the default constants."""
+def _calibrated(placement: Any, clock: str = "wall") -> tuple[Any, Any]:
+    """This machine's collective and compute prices, measured on every rank (rank 0's
+    broadcast); the runtime's own boxing keeps the default constants. ``clock="cpu"`` times
+    them in this process's CPU time (``time.perf_counter`` stands in for
+    ``time.process_time`` meanwhile: a benchmark's device, not the library's), which other
+    jobs on a shared machine hardly move, to set beside each step's CPU time."""
     from sbpflow.boxing import cost
 
-    collectives = sbpflow.boxing.calibrate(placement, sizes=CALIBRATION_SIZES, save=False)
+    wall = time.perf_counter
+    if clock == "cpu":
+        time.perf_counter = time.process_time  # type: ignore[assignment]
+    try:
+        collectives = sbpflow.boxing.calibrate(placement, sizes=CALIBRATION_SIZES, save=False)
+        compute = calibrate_compute(placement, repeats=11 if clock == "cpu" else 5)
+    finally:
+        time.perf_counter = wall  # type: ignore[assignment]
     cost.reset()
-    return collectives.model, calibrate_compute(placement)
+    return collectives.model, compute
 
 
-def _variants(
-    case: str, prices: tuple[Any, Any]
-) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
+def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
     """The step of each variant, and what to report: the plan's predictions, the losses."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -249,12 +258,6 @@ def _variants(
         x,
         fixed=fixed,
         memory_budget=budget,
-    )
-    # the same parameter and input layouts priced with this machine's measured constants
-    pins: dict[Any, Any] = dict(plan.param_sbp)
-    pins.update(enumerate(plan.input_sbp))
-    calibrated = sbpflow.auto_parallel(
-        base, placement, x, fixed=pins, cost_model=prices[0], compute_model=prices[1]
     )
     planned = plan.apply(copy.deepcopy(base))
     gx = x.to_global(*whole).to_global(sbp=plan.input_sbp[0])
@@ -312,13 +315,13 @@ def _variants(
         "want": want,
         "losses": losses,
         "predicted_ms": plan.step_seconds * 1e3,
-        "calibrated_ms": calibrated.step_seconds * 1e3,
         "predicted_peak": memory.peak,
         "predicted_state": memory.parameters + memory.gradients + memory.optimizer_state,
         "budget": budget,
         "layouts": sorted({str(s) for s in plan.param_sbp.values()}),
         "collectives": _count(c for c in plan.collectives() if c.is_collective),
         "batches": batches,
+        "repriced": (plan, base, x),
     }
     return steps, record
 
@@ -336,10 +339,31 @@ def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> No
     warnings.filterwarnings("ignore")
     results = {}
     placement = sbpflow.placement("cpu", list(range(WORLD)))
-    prices = _calibrated(placement)
     for case in cases:
-        steps, record = _variants(case, prices)
-        times, _cpu = interleaved_step_times(steps, WARMUP, reps)
+        steps, record = _variants(case)
+        # the plan's strategies, op by op, priced with this machine's constants measured
+        # just before and just after the case's steps (the load drifts), averaged
+        before = _calibrated(placement)
+        before_cpu = _calibrated(placement, "cpu")
+        times, cpu = interleaved_step_times(steps, WARMUP, reps)
+        after = _calibrated(placement)
+        after_cpu = _calibrated(placement, "cpu")
+        plan, base, x = record.pop("repriced")
+        priced = [
+            reprice(plan, base, x, cost_model=cost, compute_model=compute)
+            for cost, compute in (before, after)
+        ]
+        record["calibrated_ms"] = statistics.mean(p.step_seconds for p in priced) * 1e3
+        record["cpu_ms"] = statistics.median(cpu[PLAN])
+        record["calibrated_cpu_ms"] = 1e3 * statistics.mean(
+            reprice(plan, base, x, cost_model=cost, compute_model=compute).step_seconds
+            for cost, compute in (before_cpu, after_cpu)
+        )
+        record["calibrated_parts"] = [
+            statistics.mean(getattr(p, part) for p in priced) * 1e3
+            for part in ("compute_seconds", "boxing_seconds", "optimizer_seconds")
+        ]
+        record["compute_model"] = f"{before[1]}, {after[1]}"
         held, peak, ran = {}, {}, {}
         batches = record.pop("batches")
         for name, step in steps.items():
@@ -352,7 +376,6 @@ def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> No
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             held[name], peak[name] = mine.tolist()
         record.update(held=held, peak=peak, ran=ran)
-        record["compute_model"] = str(prices[1])
         results[case] = (times, record)
     if rank == 0:
         queue.put(results)
@@ -399,17 +422,24 @@ def main() -> None:
         step = {name: statistics.median(ms) for name, ms in medians.items()}
         peaks = {name: statistics.median(r[case][1]["peak"][name] for r in runs) for name in step}
         predicted_ms = statistics.median(r[case][1]["calibrated_ms"] for r in runs)
+        predicted_cpu = statistics.median(r[case][1]["calibrated_cpu_ms"] for r in runs)
+        cpu_ms = statistics.median(r[case][1]["cpu_ms"] for r in runs)
+        parts = [
+            statistics.median(r[case][1]["calibrated_parts"][i] for r in runs) for i in range(3)
+        ]
         best_hand = min(v for k, v in step.items() if k != PLAN)
         rows = [
             f"### {case}",
             "",
             f"Plan: parameter layouts {', '.join(record['layouts'])}; predicted step "
             f"{record['predicted_ms']:.1f} ms by the default prices, {predicted_ms:.1f} ms by "
-            f"this machine's (median over runs), predicted peak {_mib(record['predicted_peak'])} "
+            f"this machine's (median over runs; compute {parts[0]:.1f}, boxing {parts[1]:.1f}, "
+            f"optimizer {parts[2]:.1f}), predicted peak {_mib(record['predicted_peak'])} "
             f"MiB per rank, of which parameters, gradients and optimizer state "
             f"{_mib(record['predicted_state'])} MiB"
             + (f"; budget {_mib(record['budget'])} MiB." if record["budget"] else ".")
-            + f" Predicted collectives per step: {_ops(record['collectives'])}.",
+            + f" Predicted collectives per step: {_ops(record['collectives'])}. Measured "
+            f"compute prices (last run, before and after): {record['compute_model']}.",
             "",
             "| variant | median step ms (median of runs) | each run's median ms | / plan | "
             "collectives per step (rank 0) | measured peak MiB per rank | "
@@ -426,7 +456,10 @@ def main() -> None:
         rows += [
             "",
             f"Plan over the best hand variant: {step[PLAN] / best_hand:.2f}x; predicted over "
-            f"measured step (measured prices): {predicted_ms / step[PLAN]:.2f}x; predicted "
+            f"measured step (measured prices): {predicted_ms / step[PLAN]:.2f}x; the same in "
+            f"CPU time (prices timed in CPU time, the plan's median CPU ms per step, median "
+            f"over runs): {predicted_cpu:.1f} / {cpu_ms:.1f} = {predicted_cpu / cpu_ms:.2f}x; "
+            "predicted "
             "over measured peak "
             f"memory: {record['predicted_peak'] / peaks[PLAN]:.2f}x; predicted over measured "
             f"state bytes: {record['predicted_state'] / record['held'][PLAN]:.2f}x.",
@@ -447,11 +480,13 @@ def main() -> None:
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
-            "the output. Each run measures this machine's prices on every rank "
+            "the output. Each case measures this machine's prices on every rank, just before "
+            "and just after its steps "
             "(`sbpflow.boxing.calibrate` over 4 KiB-4 MiB blocks, "
             "`sbpflow.auto_parallel.calibrate_compute`); the plans are made with the "
-            "default prices (deterministic), and the predicted step is their layouts "
-            "priced with the measured ones, median over runs. Measured peak: the CPU allocator's largest "
+            "default prices (deterministic), and the predicted step is their strategies "
+            "priced with the measured ones (`reprice`, before and after averaged), median "
+            "over runs. Measured peak: the CPU allocator's largest "
             "net growth during one step (torch.profiler memory events) on top of the "
             "parameters, optimizer state and batch held at its start (gradients cleared "
             "first), the larger rank's; DTensor's collectives are not traced. "

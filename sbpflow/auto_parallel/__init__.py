@@ -8,7 +8,7 @@ converts the parameters to the planned layouts and hooks the module boundaries s
 boxes where the plan says. See docs/auto-parallel.md.
 """
 
-from ._api import auto_parallel
+from ._api import auto_parallel, reprice
 from ._calibrate import calibrate_compute
 from ._costs import ComputeModel
 from ._follow import unfollow
@@ -24,5 +24,6 @@ __all__ = [
     "Plan",
     "auto_parallel",
     "calibrate_compute",
+    "reprice",
     "unfollow",
 ]

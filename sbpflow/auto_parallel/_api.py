@@ -12,12 +12,13 @@ from ..boxing.plan import BoxingStep, _fmt_bytes
 from ..placement import Placement
 from ..sbp import NdSbp, normalize, sbp_str
 from ._capture import Graph, capture
-from ._costs import ComputeModel, Prices, local_bytes, optimizer_states
+from ._costs import ComputeModel, Prices, local_bytes, optimizer_ops, optimizer_states
 from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
+from ._saved import saved_outputs
 from ._solve import Problem, Solution, node_bytes, output_seconds, solve
 from ._strategies import Strategy, is_view, strategies, unsupported
 
-__all__ = ["auto_parallel"]
+__all__ = ["auto_parallel", "reprice"]
 
 
 def auto_parallel(
@@ -63,7 +64,7 @@ def auto_parallel(
         )
     states = optimizer_states(optimizer)
     graph = capture(model, inputs)
-    prices = Prices(placement, cost_model, compute_model)
+    prices = Prices(placement, cost_model, compute_model, optimizer_ops(optimizer))
     reps = [n.tie if n.tie >= 0 else n.index for n in graph.nodes]
     pins = _pins(fixed, graph, placement, reps)
     choices = {}
@@ -79,7 +80,7 @@ def auto_parallel(
                     f"{list(placement.shape)}; pin a layout whose split dims divide evenly."
                 )
         choices[rep] = options
-    problem = Problem(graph, reps, choices, prices, states)
+    problem = Problem(graph, reps, choices, prices, states, saved_outputs(graph))
     solution = solve(problem, memory_budget)
     if solution is None:
         smallest = solve(problem, None, objective="memory")
@@ -91,6 +92,61 @@ def auto_parallel(
             "state and activations). Raise the budget, use more ranks, or a smaller batch."
         )
     return _plan(problem, solution, memory_budget)
+
+
+def reprice(
+    plan: Plan,
+    model: torch.nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    optimizer: str | int | None = "adamw",
+    cost_model: CostModel | None = None,
+    compute_model: ComputeModel | None = None,
+) -> Plan:
+    """``plan``'s layouts, op by op, priced with other constants: what the plan is predicted
+    to cost where these prices hold (e.g. ``calibrate_compute`` and
+    ``sbpflow.boxing.calibrate``'s model, measured on this machine).
+
+    ``model`` and ``example_inputs`` must be those the plan was made for. Every op keeps
+    its planned strategy; only where a tensor read by several ops is boxed for all of them
+    (and its gradients summed) is chosen again, as the cheapest under the new prices.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan from auto_parallel, got {type(plan).__name__}.")
+    inputs = _inputs(example_inputs)
+    graph = capture(model, inputs)
+    placement = plan.placement
+    prices = Prices(placement, cost_model, compute_model, optimizer_ops(optimizer))
+    reps = [n.tie if n.tie >= 0 else n.index for n in graph.nodes]
+    planned: dict[int, tuple[Any, ...]] = {op.index: (op.inputs, op.outputs) for op in plan.ops}
+    for name, layout in plan.param_sbp.items():
+        if name in graph.param_nodes:
+            planned[graph.param_nodes[name]] = ((), (layout,))
+    for n, layout in zip(graph.input_nodes, plan.input_sbp, strict=False):
+        planned[n] = ((), (layout,))
+    choices = {}
+    for rep in sorted(set(reps)):
+        node = graph.nodes[rep]
+        options = strategies(node, placement.shape)
+        if rep in planned:
+            want_in, want_out = planned[rep]
+            options = [
+                s
+                for s in options
+                if s.outputs == want_out and (node.kind != "op" or s.inputs == want_in)
+            ]
+        if not options:
+            raise ValueError(
+                f"the plan's layout of {node.target} (node {rep}) is not a strategy of this "
+                "model's step: reprice takes the model and example inputs the plan was made for."
+            )
+        choices[rep] = options
+    problem = Problem(
+        graph, reps, choices, prices, optimizer_states(optimizer), saved_outputs(graph)
+    )
+    solution = solve(problem, None)
+    assert solution is not None  # no budget: every choice is feasible
+    return _plan(problem, solution, plan.memory_budget)
 
 
 def _inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
@@ -202,7 +258,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
     for node in graph.nodes:
         strategy = chosen(node.index)
         if node.kind in ("input", "buffer"):
-            activations += node_bytes(node, strategy, prices, problem.optimizer_states)
+            activations += node_bytes(node, strategy, problem)
         if node.kind != "op":
             continue
         collectives: list[Collective] = []
@@ -224,7 +280,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                 steps, "backward", shape, name_of(u) + " gradient", _shows_parameter(graph, u)
             )
         boxing_seconds += sum(c.seconds for c in collectives)
-        act = node_bytes(node, strategy, prices, problem.optimizer_states)
+        act = node_bytes(node, strategy, problem)
         activations += act
         ops.append(
             OpChoice(
@@ -275,7 +331,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                 )
     boxing_seconds += sum(c.seconds for c in producer_collectives)
     params = []
-    param_bytes = grad_bytes = 0.0
+    param_bytes = grad_bytes = optimizer = 0.0
     counted = set()
     for name, n in graph.param_nodes.items():
         node = graph.nodes[n]
@@ -286,6 +342,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
             counted.add(n)
             param_bytes += size
             grad_bytes += size if node.requires_grad else 0.0
+            optimizer += prices.optimizer_seconds(node, chosen(n))
     memory = Memory(param_bytes, grad_bytes, grad_bytes * problem.optimizer_states, activations)
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
     # the plan's own account of its costs is the program's objective
@@ -305,6 +362,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         memory=memory,
         compute_seconds=compute,
         boxing_seconds=boxing_seconds,
+        optimizer_seconds=optimizer,
         memory_budget=budget,
         num_variables=solution.num_variables,
         num_constraints=solution.num_constraints,

@@ -5,15 +5,27 @@
 # prices]), so the same script plans the same everywhere. ``calibrate_compute(placement)``
 # returns a model measured here, which the caller passes as ``compute_model=``: a matmul
 # times floating-point operations per second, an add of large tensors bytes per second, and
-# a chain of small ops on a global tensor of ``placement`` the eager work per op (sbpflow's
-# dispatch and the autograd node, which the roofline does not see and which dominates small
-# models). Each is the best of ``repeats`` timings. In a job, rank 0's numbers are broadcast
-# so every rank plans with identical constants (ranks planning apart could run different
-# collectives and hang). Nothing is stored: calling it again measures again.
+# the forward and backward of a tiny model on global tensors of ``placement`` (two residual
+# blocks: layer norm, linear, GELU, linear, add; every tensor broadcast, so nothing is
+# communicated) the eager work per op: sbpflow's dispatch and layout propagation, the
+# autograd node and the backward's own ops, which the roofline does not see and which
+# dominate small models on a CPU. That time is divided by the ops the model is priced for
+# (NOTE [default prices]: each captured op once forward and once backward), so a plan priced
+# with the result pays for a step what the tiny model paid per op. An AdamW step on the tiny
+# model's parameters, divided by the ops it is priced for, gives the seconds per update op
+# (tiny tensors: its bytes do not count). A partial sum of 16 floats boxed to broadcast,
+# less a bare all_reduce of them, gives the eager work of a boxing step beside its
+# collective (planning, layout checks, copies: several times an op's). Each rate is the
+# median of ``repeats`` timings: the step it predicts is timed as a median too, and on a
+# shared machine the best of a few runs catches moments the step never sees. In a job, rank
+# 0's numbers are broadcast so every rank plans with identical constants (ranks planning
+# apart could run different collectives and hang). Nothing is stored: calling it again
+# measures again.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -22,13 +34,37 @@ import torch.distributed as dist
 
 from ..comm._bench import broadcast_from_first
 from ..placement import Placement
-from ..sbp import broadcast
-from ._costs import ComputeModel
+from ..sbp import broadcast, partial_sum
+from ._capture import Node, capture
+from ._costs import ComputeModel, optimizer_ops
 
 __all__ = ["calibrate_compute"]
 
 # CPU sizes keep a run under a second on a busy few-core host; the GPU ones fill the device.
-_SIZES = {"cpu": (512, 1 << 22, 64), "cuda": (8192, 1 << 27, 64)}
+_SIZES = {"cpu": (512, 1 << 22), "cuda": (8192, 1 << 27)}
+
+
+class _Block(torch.nn.Module):
+    """A residual MLP block: the op mix of a transformer's layers, at a size where only the
+    eager work per op counts."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _tiny_model(device: torch.device) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = torch.nn.Sequential(_Block(8), _Block(8)).to(device)
+    return model, torch.randn(4, 8, device=device)
+
+
+def _ops(model: torch.nn.Module, batch: torch.Tensor) -> list[Node]:
+    return [node for node in capture(model, (batch,)).nodes if node.kind == "op"]
 
 
 def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel:
@@ -36,7 +72,7 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
 
     Pass the result as ``auto_parallel(..., compute_model=...)``. Call it on every rank of
     the job where the world is initialized (rank 0's numbers are broadcast: a collective),
-    with the thread count the job trains with. ``repeats``: timings per rate, best kept.
+    with the thread count the job trains with. ``repeats``: timings per rate, median kept.
     """
     if not isinstance(placement, Placement):
         raise TypeError(
@@ -50,26 +86,48 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
         raise ValueError(
             f"calibrate_compute measures 'cpu' and 'cuda' placements, got {device_type!r}."
         )
-    n, numel, chain = _SIZES[device_type]
+    n, numel = _SIZES[device_type]
     device = _device(placement)
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    mm = _best(lambda: torch.mm(a, b), repeats, device)
+    mm = _median(lambda: torch.mm(a, b), repeats, device)
     x = torch.randn(numel, device=device)
     y = torch.randn(numel, device=device)
-    add = _best(lambda: torch.add(x, y), repeats, device)
-    small = torch.ones(8, device=device).to_global(placement, broadcast).requires_grad_()
+    add = _median(lambda: torch.add(x, y), repeats, device)
+    model, batch = _tiny_model(device)
+    num_ops = sum(2 if node.requires_grad else 1 for node in _ops(model, batch))
+    model = model.to_global(placement, broadcast)
+    batch = batch.to_global(placement, broadcast)
 
-    def ops() -> None:
-        t = small
-        for _ in range(chain):
-            t = t * 1.0
+    def step() -> None:
+        model(batch).sum().backward()
 
-    op = _best(ops, repeats, device) / chain
-    values = [2.0 * n**3 / mm, 3.0 * numel * x.element_size() / add, op]
-    if dist.is_available() and dist.is_initialized():
+    op = _median(step, repeats, device) / num_ops
+    step()
+    update = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    num_updates = optimizer_ops("adamw") * len(list(model.parameters()))
+    update_op = _median(update.step, repeats, device) / num_updates
+    values = [2.0 * n**3 / mm, 3.0 * numel * x.element_size() / add, op, update_op]
+    joined = dist.is_available() and dist.is_initialized()
+    boxing = _boxing_op(placement, repeats, device) if joined else None
+    values.append(-1.0 if boxing is None else boxing)
+    if joined:
         values = broadcast_from_first(values, device_type)
-    return ComputeModel(*values)
+    return ComputeModel(*values[:4], boxing_op_seconds=None if values[4] < 0 else values[4])
+
+
+def _boxing_op(placement: Placement, repeats: int, device: torch.device) -> float | None:
+    """Eager seconds of one boxing step beside its collective: a partial sum of 16 floats
+    boxed to broadcast (one all_reduce over the placement) less a bare all_reduce of them.
+    ``None`` where the placement is one rank or not the whole world (no bare group to
+    compare with)."""
+    if placement.num_ranks == 1 or placement.num_ranks != dist.get_world_size():
+        return None
+    partial = torch.ones(16, device=device).to_global(placement, partial_sum)
+    bare = torch.ones(16, device=device)
+    boxed = _median(lambda: partial.to_global(sbp=broadcast), repeats, device)
+    raw = _median(lambda: dist.all_reduce(bare), repeats, device)
+    return max(boxed - raw, 0.0)
 
 
 def _device(placement: Placement) -> torch.device:
@@ -78,9 +136,9 @@ def _device(placement: Placement) -> torch.device:
     return torch.device("cpu")
 
 
-def _best(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def _median(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     fn()  # warm up
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -88,5 +146,5 @@ def _best(fn: Callable[[], object], repeats: int, device: torch.device) -> float
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times), 1e-9)

@@ -8,10 +8,18 @@
 # rank does, plus ``op_seconds`` for running the op at all (eager dispatch: Python, layout
 # propagation, the autograd node), which every rank pays whatever its share. The backward
 # of an op costs twice its forward's roofline and one more ``op_seconds``. Each boxing step
-# costs its collective (the boxing planner's price) plus ``op_seconds``: issuing it is eager
+# costs its collective (the boxing planner's price) plus ``op_seconds`` (or
+# ``boxing_op_seconds`` where given, as ``calibrate_compute`` measures it): issuing it is eager
 # work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
-# then an all_gather) the one with fewer steps is cheaper. ``calibrate_compute`` measures
-# the three rates on this machine; plans use them only when they are passed.
+# then an all_gather) the one with fewer steps is cheaper. The optimizer's update of each
+# parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local piece
+# (AdamW: 9, plain SGD: 1), each ``update_op_seconds`` (an op outside autograd: a few times
+# cheaper than ``op_seconds``) plus its bytes (two read, one written) at
+# ``bytes_per_second``. The update is part of the predicted step but not of the search: it
+# does not depend on the layouts but through its bytes, and a sharded update is cheaper, so
+# priced in the search it would shard weights over every axis (ZeRO) to save a few percent of
+# the optimizer's memory traffic. ``calibrate_compute`` measures the three rates on this
+# machine; plans use them only when they are passed.
 """
 
 from __future__ import annotations
@@ -31,24 +39,44 @@ from ..sbp import NdSbp, Split
 from ._capture import Node
 from ._strategies import Strategy, op_flops
 
-__all__ = ["ComputeModel", "Prices", "optimizer_states"]
+__all__ = ["ComputeModel", "Prices", "optimizer_ops", "optimizer_states"]
 
 BACKWARD_FACTOR = 2.0  # a backward costs about twice its forward (two matmuls per matmul)
+# AdamW's update of one parameter runs 9 elementwise ops (torch's single-tensor loop: two
+# lerp/mul_ for the moments, sqrt, div, addcdiv_, the weight decay, the step): one for the
+# update itself and about four per state tensor; plain SGD runs one (add_).
+OPS_PER_STATE = 4
 
 
 @dataclass(frozen=True)
 class ComputeModel:
-    """Roofline of one device: floating-point operations and memory bytes per second, and
-    the fixed seconds of running one op or one boxing step eagerly (NOTE [default prices])."""
+    """Roofline of one device: floating-point operations and memory bytes per second, the
+    fixed seconds of running one op of the step (or one boxing step) eagerly, and those of
+    one elementwise op of the optimizer's update, outside autograd (NOTE [default prices])."""
 
     flops_per_second: float
     bytes_per_second: float
     op_seconds: float = 0.0
+    update_op_seconds: float = 0.0
+    # eager work of one boxing step beside its collective (None: ``op_seconds``)
+    boxing_op_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("flops_per_second", "bytes_per_second", "op_seconds"):
+        if self.boxing_op_seconds is not None:
+            value = self.boxing_op_seconds
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"ComputeModel.boxing_op_seconds must be None or a non-negative finite "
+                    f"number, got {value!r}."
+                )
+        for name in ("flops_per_second", "bytes_per_second", "op_seconds", "update_op_seconds"):
             value = getattr(self, name)
-            positive = name != "op_seconds"
+            positive = name not in ("op_seconds", "update_op_seconds")
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
@@ -66,11 +94,13 @@ class ComputeModel:
     @staticmethod
     def default(device_type: str) -> ComputeModel:
         # Round numbers, not measurements: a few-core CPU (~100 GFLOP/s, ~20 GB/s, ~50 us of
-        # eager work per op on a global tensor) and a data-centre GPU (~400 TFLOP/s dense
-        # bf16/tf32, ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python).
+        # eager work per op on a global tensor, forward and backward each, ~15 us per op of
+        # the optimizer's update) and a data-centre GPU (~400 TFLOP/s dense bf16/tf32,
+        # ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python; ~10 us per
+        # update op).
         if device_type == "cuda":
-            return ComputeModel(400e12, 2e12, 20e-6)
-        return ComputeModel(100e9, 20e9, 50e-6)
+            return ComputeModel(400e12, 2e12, 20e-6, 10e-6)
+        return ComputeModel(100e9, 20e9, 50e-6, 15e-6)
 
 
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -99,6 +129,13 @@ def optimizer_states(optimizer: object) -> int:
     return _OPTIMIZERS[optimizer.lower()]
 
 
+def optimizer_ops(optimizer: object) -> int:
+    """Eager elementwise ops the optimizer runs per parameter tensor and step (none: 0)."""
+    if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() == "none"):
+        return 0
+    return 1 + OPS_PER_STATE * optimizer_states(optimizer)
+
+
 def local_bytes(
     shape: Sequence[int], dtype: torch.dtype, layout: NdSbp, mesh: Sequence[int]
 ) -> float:
@@ -115,11 +152,13 @@ class Prices:
         placement: Placement,
         cost_model: CostModel | None,
         compute: ComputeModel | None,
+        optimizer_ops: int = 0,
     ) -> None:
         self.placement = placement
         self.mesh = placement.shape
         self.cost_model = cost_model or CostModel.default(backend_for(placement.type))
         self.compute = compute or ComputeModel.default(placement.type)
+        self.optimizer_ops = optimizer_ops  # per trained parameter and step
         self._boxing: dict[tuple[object, ...], tuple[float, tuple[BoxingStep, ...]]] = {}
 
     def boxing(
@@ -134,7 +173,9 @@ class Prices:
             result = boxing_plan(
                 shape, dtype, (self.placement, src), (self.placement, dst), self.cost_model
             )
-            extra = self.compute.op_seconds  # issuing each step eagerly
+            extra = self.compute.boxing_op_seconds  # issuing each step eagerly
+            if extra is None:
+                extra = self.compute.op_seconds
             steps = tuple(dataclasses.replace(s, cost=s.cost + extra) for s in result.steps)
             found = (result.cost + extra * len(steps), steps)
             self._boxing[key] = found
@@ -151,3 +192,11 @@ class Prices:
         if not node.requires_grad:
             return forward + self.compute.op_seconds
         return forward * (1.0 + BACKWARD_FACTOR) + 2.0 * self.compute.op_seconds
+
+    def optimizer_seconds(self, node: Node, strategy: Strategy) -> float:
+        """The optimizer's update of a trained parameter, on one rank's piece."""
+        if node.kind != "param" or not node.requires_grad:
+            return 0.0
+        size = local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], self.mesh)
+        per_op = self.compute.update_op_seconds + 3.0 * size / self.compute.bytes_per_second
+        return self.optimizer_ops * per_op

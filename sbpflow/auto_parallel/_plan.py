@@ -123,6 +123,7 @@ class Plan:
     memory: Memory
     compute_seconds: float
     boxing_seconds: float
+    optimizer_seconds: float  # the optimizer's update of every parameter (not searched)
     memory_budget: float | None
     num_variables: int
     num_constraints: int
@@ -133,8 +134,8 @@ class Plan:
 
     @property
     def step_seconds(self) -> float:
-        """Predicted seconds of one training step (forward, backward, boxing)."""
-        return self.compute_seconds + self.boxing_seconds
+        """Predicted seconds of one training step (forward, backward, boxing, optimizer)."""
+        return self.compute_seconds + self.boxing_seconds + self.optimizer_seconds
 
     @property
     def param_sbp(self) -> dict[str, NdSbp]:
@@ -214,7 +215,8 @@ class Plan:
         lines = [
             f"Plan on {self.placement}: predicted step ~{_fmt_seconds(self.step_seconds)} "
             f"(compute {_fmt_seconds(self.compute_seconds)}, boxing "
-            f"{_fmt_seconds(self.boxing_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
+            f"{_fmt_seconds(self.boxing_seconds)}, optimizer "
+            f"{_fmt_seconds(self.optimizer_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
             f"  memory: parameters {_fmt_bytes(m.parameters)}, gradients {_fmt_bytes(m.gradients)}, "
             f"optimizer state {_fmt_bytes(m.optimizer_state)}, activations "
             f"{_fmt_bytes(m.activations)}"

@@ -46,6 +46,7 @@ class Problem:
     choices: dict[int, list[Strategy]]  # representative -> its candidate strategies
     prices: Prices
     optimizer_states: int
+    saved: frozenset[tuple[int, int]]  # op outputs the backward keeps (NOTE [saved activations])
 
 
 @dataclass
@@ -60,8 +61,9 @@ class Solution:
     solve_seconds: float
 
 
-def node_bytes(node: Node, strategy: Strategy, prices: Prices, optimizer_states: int) -> float:
+def node_bytes(node: Node, strategy: Strategy, problem: Problem) -> float:
     """Bytes per rank the node keeps through the step."""
+    prices, optimizer_states = problem.prices, problem.optimizer_states
     mesh = prices.mesh
     if node.kind == "param":
         copies = 2 + optimizer_states if node.requires_grad else 1
@@ -70,12 +72,13 @@ def node_bytes(node: Node, strategy: Strategy, prices: Prices, optimizer_states:
         )
     if node.kind in ("buffer", "input"):
         return local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], mesh)
-    if node.kind == "op" and node.requires_grad and not is_view(node):
+    if node.kind == "op" and not is_view(node):
         return sum(
             local_bytes(shape, dtype, layout, mesh)
-            for shape, dtype, layout in zip(
-                node.out_shapes, node.out_dtypes, strategy.outputs, strict=True
+            for o, (shape, dtype, layout) in enumerate(
+                zip(node.out_shapes, node.out_dtypes, strategy.outputs, strict=True)
             )
+            if (node.index, o) in problem.saved
         )
     return 0.0
 
@@ -220,9 +223,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         node = graph.nodes[rep]
         options = problem.choices[rep]
         costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
-        memory = [
-            counts[rep] * node_bytes(node, s, prices, problem.optimizer_states) for s in options
-        ]
+        memory = [counts[rep] * node_bytes(node, s, problem) for s in options]
         for output in graph.outputs:
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
