@@ -131,11 +131,20 @@ class Plan:
     solve_seconds: float = field(compare=False)
     # where apply() boxes module inputs and outputs to the planned layouts
     boundaries: tuple[Boundary, ...] = ()
+    # of boxing_seconds, what data-parallel buckets save by all-reducing parameter
+    # gradients together (NOTE [bucketed gradients] in _api.py; not part of the search)
+    bucket_savings_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
-        """Predicted seconds of one training step (forward, backward, boxing, optimizer)."""
-        return self.compute_seconds + self.boxing_seconds + self.optimizer_seconds
+        """Predicted seconds of one training step (forward, backward, boxing with parameter
+        gradients all-reduced in buckets, optimizer)."""
+        return (
+            self.compute_seconds
+            + self.boxing_seconds
+            - self.bucket_savings_seconds
+            + self.optimizer_seconds
+        )
 
     @property
     def param_sbp(self) -> dict[str, NdSbp]:
@@ -215,7 +224,13 @@ class Plan:
         lines = [
             f"Plan on {self.placement}: predicted step ~{_fmt_seconds(self.step_seconds)} "
             f"(compute {_fmt_seconds(self.compute_seconds)}, boxing "
-            f"{_fmt_seconds(self.boxing_seconds)}, optimizer "
+            f"{_fmt_seconds(self.boxing_seconds - self.bucket_savings_seconds)}"
+            + (
+                f" with gradients bucketed ({_fmt_seconds(self.boxing_seconds)} one by one)"
+                if self.bucket_savings_seconds
+                else ""
+            )
+            + ", optimizer "
             f"{_fmt_seconds(self.optimizer_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
             f"  memory: parameters {_fmt_bytes(m.parameters)}, gradients {_fmt_bytes(m.gradients)}, "
             f"optimizer state {_fmt_bytes(m.optimizer_state)}, activations "

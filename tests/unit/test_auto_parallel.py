@@ -171,6 +171,26 @@ def test_no_budget_on_a_data_mesh_is_data_parallel() -> None:
     assert grads and {c.op for c in grads} == {"all_reduce"}
 
 
+def test_a_data_parallel_step_is_predicted_with_its_gradients_bucketed() -> None:
+    """The 12 gradient all_reduces of the DDP plan (norm, up and down of two blocks) run as
+    one bucket (under 1 MiB together): the predicted step counts one collective's latency
+    and launch, not twelve; the search's
+    own objective (boxing_seconds) still prices them one by one."""
+    from sbpflow.boxing.cost import CostModel
+
+    model, x = _wide_batch_mlp()
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(model, placement, x)
+    grads = [c for c in plan.collectives() if c.parameter_gradient and c.op == "all_reduce"]
+    assert len(grads) == 12 and sum(c.bytes_per_rank for c in grads) < 1024 * 1024
+    fixed = CostModel.default("gloo").all_reduce(2, 0.0) + ComputeModel.default("cpu").op_seconds
+    assert plan.bucket_savings_seconds == pytest.approx(11 * fixed)
+    assert plan.step_seconds == pytest.approx(
+        plan.compute_seconds + plan.boxing_seconds - 11 * fixed + plan.optimizer_seconds
+    )
+    assert "with gradients bucketed" in plan.explain()
+
+
 def test_a_budget_below_the_replicated_footprint_shards_the_parameters() -> None:
     """A budget under the DDP plan's footprint: the large weights are stored split
     (gathered for use, their gradients reduce-scattered) and the plan fits the budget."""
