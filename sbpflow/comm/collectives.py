@@ -360,6 +360,13 @@ def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> to
     assert handle is not None
     if _functional.traced(piece):
         return _functional.all_gather(piece.view(-1), handle).view(out.shape)
+    if len(ranks) == 2 and piece.device.type == "cpu" and piece.numel():
+        # NOTE [gloo gathers and reductions]
+        rows, slot = out.view(2, -1), handle.rank()
+        splits = [piece.numel() * (k != slot) for k in range(2)]
+        _exchange_rows(rows[1 - slot], piece.view(-1), splits, group, "all_gather")
+        rows[slot].copy_(piece.view(-1))
+        return out
     with named("all_gather", ranks):
         all_gather_single(out.view(-1), piece.view(-1), group=handle)
     return out
@@ -373,9 +380,64 @@ def _reduce_scatter_into(
     assert handle is not None
     if _functional.traced(block):
         return _functional.reduce_scatter(block.view(-1), handle, reduce_op).view(out.shape)
+    if block.device.type == "cpu":  # NOTE [gloo gathers and reductions]
+        return _reduce_scatter_exchanged(out, block, group, reduce_op)
     with named("reduce_scatter", ranks):
         reduce_scatter_single(out.view(-1), block.view(-1), op=REDUCE_OPS[reduce_op], group=handle)
     return out
+
+
+# NOTE [gloo gathers and reductions]
+# torch's gloo backend has no reduce_scatter of its own: ``reduce_scatter_tensor`` clones
+# the whole block, all_reduces the clone (every element crosses the wire twice) and copies
+# this member's chunk out of it. Its ``all_gather_into_tensor`` gathers into a flat buffer
+# of its own and copies that into the output. On gloo (CPU tensors) sbpflow runs both as
+# one ``all_to_all_single``, whose pairwise exchanges read and write the tensors given:
+# - reduce_scatter: each member sends every other member that member's row of its block
+#   and receives their rows for its own; it reduces them, in process-group order, into
+#   ``out``. (p - 1) / p of the block crosses the wire, once, and nothing is cloned. A
+#   member whose row lies between two others' sends the whole block, its own row included
+#   (gloo copies that one locally), so that the rows it sends stay one buffer.
+# - all_gather of two members: each sends its piece to the other, received straight into
+#   the other's row of ``out``, and copies its own piece into its row. (With more
+#   members the send buffer would hold the piece once per peer: gloo's gather runs.)
+# NCCL's collectives, and the functional ones inside a trace, run as they are.
+
+_REDUCE = {"sum": torch.add, "max": torch.maximum}
+
+
+def _reduce_scatter_exchanged(
+    out: torch.Tensor, block: torch.Tensor, group: Group, reduce_op: str
+) -> torch.Tensor:
+    ranks, handle = group
+    assert handle is not None
+    num, slot, n = len(ranks), handle.rank(), out.numel()
+    if n == 0:  # every member's row is empty (the rows are equally long): nothing to move
+        return out
+    rows = block.view(num, n)  # one row per member, process-group order
+    own_apart = slot in (0, num - 1)  # the other members' rows lie one after another
+    send = (rows[1:] if slot == 0 else rows[:-1]) if own_apart else rows
+    splits = [n * (k != slot or not own_apart) for k in range(num)]
+    received = block.new_empty((send.shape[0], n))
+    _exchange_rows(received.view(-1), send.reshape(-1), splits, group, "reduce_scatter")
+    parts = list(received.unbind(0))
+    if own_apart:
+        parts.insert(slot, rows[slot])
+    reduce, flat = _REDUCE[reduce_op], out.view(-1)
+    reduce(parts[0], parts[1], out=flat)
+    for part in parts[2:]:
+        reduce(flat, part, out=flat)
+    return out
+
+
+def _exchange_rows(
+    recv: torch.Tensor, send: torch.Tensor, splits: list[int], group: Group, op: str
+) -> None:
+    """Element ``splits[k]``-long slice ``k`` of flat ``send`` to the member at process-group
+    slot ``k``, and as long a slice from it into ``recv`` (``splits`` is the same both ways)."""
+    ranks, handle = group
+    with named(op, ranks):
+        dist.all_to_all_single(recv, send, splits, splits, group=handle)
 
 
 def _all_reduce_in_place(tensor: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:

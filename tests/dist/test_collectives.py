@@ -61,6 +61,11 @@ def _collectives_against_one_process(shape: tuple[int, int]) -> list[str]:
             total = sum(parts)
             got = collectives.reduce_scatter(parts[rank].clone(), dim, group, sizes, "sum")
             check(f"reduce_scatter {where}", got, torch.tensor_split(total, world, dim=dim)[member])
+            largest = torch.stack(parts).amax(0)
+            got = collectives.reduce_scatter(parts[rank].clone(), dim, group, sizes, "max")
+            check(
+                f"reduce_scatter max {where}", got, torch.tensor_split(largest, world, dim)[member]
+            )
             other = 1 - dim
             src_sizes = _sizes(shape[other], world)
             local = torch.tensor_split(whole, world, dim=other)[member].clone()
