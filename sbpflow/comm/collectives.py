@@ -11,7 +11,7 @@ ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,8 @@ __all__ = [
 # A layout change that is one collective costs that collective: the wire buffers are
 # allocated once, in the collective's layout, and the data is copied only where the
 # layout needs it. An even split along dim 0 in process-group order copies nothing
-# (the input piece is the send buffer, the receive buffer is the result); an inner
+# outside the collective (the input piece is the send buffer, the receive buffer is the
+# result; NOTE [gloo gathers and reductions] for what the collective does); an inner
 # dim or an uneven split copies each element once on each side of the wire (the
 # padding is zero-filled, not concatenated), never a cat followed by a contiguous.
 
@@ -365,7 +366,8 @@ def _all_gather_into(out: torch.Tensor, piece: torch.Tensor, group: Group) -> to
         rows, slot = out.view(2, -1), handle.rank()
         splits = [piece.numel() * (k != slot) for k in range(2)]
         _exchange_rows(rows[1 - slot], piece.view(-1), splits, group, "all_gather")
-        rows[slot].copy_(piece.view(-1))
+        with torch.no_grad():  # a collective, not differentiable: as gloo's own gather
+            rows[slot].copy_(piece.view(-1))
         return out
     with named("all_gather", ranks):
         all_gather_single(out.view(-1), piece.view(-1), group=handle)
@@ -403,7 +405,7 @@ def _reduce_scatter_into(
 #   members the send buffer would hold the piece once per peer: gloo's gather runs.)
 # NCCL's collectives, and the functional ones inside a trace, run as they are.
 
-_REDUCE = {"sum": torch.add, "max": torch.maximum}
+_REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum}
 
 
 def _reduce_scatter_exchanged(
@@ -424,9 +426,10 @@ def _reduce_scatter_exchanged(
     if own_apart:
         parts.insert(slot, rows[slot])
     reduce, flat = _REDUCE[reduce_op], out.view(-1)
-    reduce(parts[0], parts[1], out=flat)
-    for part in parts[2:]:
-        reduce(flat, part, out=flat)
+    with torch.no_grad():  # a collective, not differentiable: as gloo's own reduction
+        reduce(parts[0], parts[1], out=flat)
+        for part in parts[2:]:
+            reduce(flat, part, out=flat)
     return out
 
 
