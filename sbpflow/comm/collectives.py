@@ -157,6 +157,8 @@ def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool)
         return local
     if inplace and local.is_contiguous():
         out = local
+    elif _exchanges_all_reduce(local, group):
+        return _all_reduce_exchanged(local, group, reduce_op)
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
     return _all_reduce_in_place(out, group, reduce_op)
@@ -403,7 +405,47 @@ def _reduce_scatter_into(
 # - all_gather of two members: each sends its piece to the other, received straight into
 #   the other's row of ``out``, and copies its own piece into its row. (With more
 #   members the send buffer would hold the piece once per peer: gloo's gather runs.)
+# - all_reduce of two members into a new tensor, from ``EXCHANGED_ALL_REDUCE_BYTES`` up: a
+#   reduce_scatter and an all_gather, both exchanges inside the result. The other
+#   member's partial of this member's half lands in the result's other half, is reduced
+#   with this member's partial into this half, and the other half is then overwritten by
+#   the other member's reduced half: no clone of the source (which gloo's in-place
+#   all_reduce needs to leave it as it was), and fewer bytes touched.
 # NCCL's collectives, and the functional ones inside a trace, run as they are.
+
+# Below this size the second collective's latency costs more than the clone it saves
+# (2 gloo ranks over loopback on a busy 2-core machine, fastest of 40: 1 MiB 1.0 ms with
+# the clone vs 1.4 ms exchanged, 4 MiB 4.4 vs 3.7 ms; at 64 MiB about 20% less CPU time).
+EXCHANGED_ALL_REDUCE_BYTES = 4 * 2**20
+
+
+def _exchanges_all_reduce(local: torch.Tensor, group: Group) -> bool:
+    """Whether ``all_reduce`` into a new tensor runs as two exchanges (NOTE [gloo gathers
+    and reductions]): two members on gloo, a contiguous tensor in two equal halves, large."""
+    return (
+        len(group[0]) == 2
+        and local.device.type == "cpu"
+        and local.is_contiguous()
+        and local.numel() % 2 == 0
+        and local.numel() * local.element_size() >= EXCHANGED_ALL_REDUCE_BYTES
+        and not _functional.traced(local)
+    )
+
+
+def _all_reduce_exchanged(local: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+    handle = group[1]
+    assert handle is not None
+    slot = handle.rank()
+    other = 1 - slot
+    out = local.new_empty(local.shape)
+    rows, partial = out.view(2, -1), local.view(2, -1)  # one half per member, group order
+    splits = [rows.shape[1] * (k != slot) for k in range(2)]
+    _exchange_rows(rows[other], partial[other], splits, group, "all_reduce")
+    with torch.no_grad():  # a collective, not differentiable: as gloo's own reduction
+        _REDUCE[reduce_op](partial[slot], rows[other], out=rows[slot])
+    _exchange_rows(rows[other], rows[slot], splits, group, "all_reduce")
+    return out
+
 
 _REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum}
 

@@ -204,7 +204,7 @@ def _one_collective_cases(whole: int, piece: int) -> list[tuple[Any, Any, int]]:
     return [
         (split(0), broadcast, 0),  # all_gather into the result
         (partial_sum, split(0), 0),  # reduce_scatter from the source, into the result
-        (partial_sum, broadcast, whole),  # all_reduce works in place: one clone
+        (partial_sum, broadcast, whole),  # small: gloo's in-place all_reduce of one clone
         (split(1), split(0), piece),  # all_to_all, interleaved along dim 1 once
         (split(1), broadcast, whole),  # all_gather, interleaved once
         (partial_sum, split(1), whole),  # the chunks packed once for the wire
@@ -235,6 +235,15 @@ def _to_global_copies() -> list[str]:
             partial(_box, x, dst),
             expected, needed, x,
         )  # fmt: skip
+    # P -> B of two members, 8 MiB (from collectives.EXCHANGED_ALL_REDUCE_BYTES up): a
+    # reduce_scatter and an all_gather inside the result (NOTE [gloo gathers and
+    # reductions]), no clone
+    rows = 8 * 2**20 // 4 // 64
+    big = [torch.randint(-8, 9, (rows, 64), generator=gen).float() for _ in range(world)]
+    x = sbpflow.to_global(big[rank].clone(), placement, partial_sum, check_meta=False)
+    problems += _measure(
+        f"large P -> B on rank {rank}", partial(_box, x, broadcast), sum(big), 0, x
+    )
     return problems
 
 
