@@ -68,7 +68,7 @@ def time_collective(
     # of the time.
     def run() -> None:
         if op == "all_reduce":
-            dist.all_reduce(block.clone(), group=handle)
+            collectives.all_reduce(block, found, "sum", inplace=False)
         elif op == "all_gather":
             collectives._all_gather_into(torch.empty_like(block), piece, found)
         elif op == "reduce_scatter":
