@@ -6,7 +6,8 @@ local tensors; ``--runs`` (3) runs follow one another, and the ratios to the raw
 collective are judged on the median over the runs of each run's median:
 
 - sbpflow: ``g.to_global(sbp=dst)`` on a global tensor (default path, so the
-  metadata check collective is included; the data moves over gloo);
+  metadata check collective is included; the data moves over gloo, a reduce_scatter and
+  a two-member all_gather as one ``all_to_all_single``);
 - raw: the minimal hand-written ``torch.distributed`` code for the same result,
   returning a new tensor and leaving the input as it was (1-D cases only): the
   collective, plus the one copy a split along dim 1 needs (the wire carries
@@ -509,7 +510,9 @@ def section(runs: list[list[dict[str, Any]]], config: dict[str, Any], loads: lis
             f"Reproduce: `python bench/boxing/run.py {args} --out docs/benchmarks.md`",
             "",
             "- **sbpflow**: `g.to_global(sbp=dst)`, default path (`check_meta=True`, so the small "
-            "metadata exchange every call makes is included).",
+            "metadata exchange every call makes is included). On gloo its reduce_scatter, and "
+            "its all_gather of two members, run as one `all_to_all_single` (NOTE [gloo gathers "
+            "and reductions] in `sbpflow/comm/collectives.py`), not as gloo's own collective.",
             "- **raw**: the minimal hand-written `torch.distributed` code giving the same local "
             "tensor, row-major, as a new tensor, input untouched, as the other two do: "
             "`all_gather_into_tensor`, clone + `all_reduce`, `reduce_scatter_tensor`, "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._compat import all_gather_single, reduce_scatter_single
+from . import collectives
 from ._errors import named
 from ._groups import group_of, world_group
 from ._world import device_for, ensure_initialized
@@ -63,15 +63,16 @@ def time_collective(
     splits = [piece.numel() // num] * num
     splits[-1] += piece.numel() - sum(splits)
 
-    # Out of place, as boxing runs them: every run writes a fresh buffer, so
-    # first-touch page faults of large outputs are part of the time.
+    # Out of place, as boxing runs them (the same calls, NOTE [gloo gathers and reductions]):
+    # every run writes a fresh buffer, so first-touch page faults of large outputs are part
+    # of the time.
     def run() -> None:
         if op == "all_reduce":
-            dist.all_reduce(block.clone(), group=handle)
+            collectives.all_reduce(block, found, "sum", inplace=False)
         elif op == "all_gather":
-            all_gather_single(torch.empty_like(block), piece, group=handle)
+            collectives._all_gather_into(torch.empty_like(block), piece, found)
         elif op == "reduce_scatter":
-            reduce_scatter_single(torch.empty_like(piece), block, group=handle)
+            collectives._reduce_scatter_into(torch.empty_like(piece), block, found, "sum")
         else:
             recv = torch.empty_like(piece)
             dist.all_to_all_single(recv, piece, splits, splits, group=handle)

@@ -9,6 +9,10 @@ even split along dim 0, one copy of the result (or of the source) where the layo
 needs an interleave, a transpose or padding. Each result is also compared with the
 piece plain single-process PyTorch computes, and written in place afterwards to show
 that it shares no memory with the source.
+
+The same mode sees the process-group ops (``c10d.*``) and adds up the bytes each puts on
+the wire from this rank, which a one-collective layout change must keep to what the
+layout needs (NOTE [gloo gathers and reductions]).
 """
 
 from __future__ import annotations
@@ -41,13 +45,40 @@ class _CopiedBytes(TorchDispatchMode):
         super().__init__()
         self.bytes = 0
         self.on_the_wire = 0
+        self.sent = 0  # bytes the process-group ops sent from this rank (_sent_bytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ in _COPIES and not self.on_the_wire:
             written = args[1] if func.overloadpacket.__name__ == "copy_" else out
             self.bytes += written.numel() * written.element_size()
+        if func.namespace == "c10d":
+            self.sent += _sent_bytes(func.overloadpacket.__name__, args)
         return out
+
+
+def _sent_bytes(op: str, args: Any) -> int:
+    """The bytes a gloo process-group op sends from this rank, a member of the whole world
+    in rank order. An all_reduce of ``n`` bytes sends at least ``2 (p - 1) / p * n`` (the
+    bound every all_reduce algorithm meets); gloo runs a reduce_scatter as an all_reduce of
+    its whole input (``reduce_scatter_tensor_coalesced`` in torch's ProcessGroupGloo.cpp);
+    an all_gather sends its piece to each other member; an all_to_all sends its input but
+    the slice for this rank."""
+    world, rank = sbpflow.env.get_world_size(), sbpflow.env.get_rank()
+    if op == "allreduce_":
+        return sum(2 * (world - 1) * _nbytes(t) // world for t in args[0])
+    if op in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        inputs = args[1] if isinstance(args[1], list) else [args[1]]
+        return sum(2 * (world - 1) * _nbytes(t) // world for t in inputs)
+    if op in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+        inputs = args[1] if isinstance(args[1], list) else [args[1]]
+        return sum((world - 1) * _nbytes(t) for t in inputs)
+    if op == "alltoall_base_":
+        send, splits = args[1], args[4]
+        row = _nbytes(send) // max(send.shape[0], 1)
+        mine = splits[rank] * row if splits else _nbytes(send) // world
+        return _nbytes(send) - mine
+    raise AssertionError(f"no count of the bytes c10d.{op} sends: add one")
 
 
 @contextlib.contextmanager
@@ -168,6 +199,18 @@ def _box(x: torch.Tensor, dst: Any) -> torch.Tensor:
     return x.to_global(sbp=dst, check_meta=False).to_local()
 
 
+def _one_collective_cases(whole: int, piece: int) -> list[tuple[Any, Any, int]]:
+    """(src, dst, bytes the layout change must copy) on two ranks, ``whole`` bytes logical."""
+    return [
+        (split(0), broadcast, 0),  # all_gather into the result
+        (partial_sum, split(0), 0),  # reduce_scatter from the source, into the result
+        (partial_sum, broadcast, whole),  # small: gloo's in-place all_reduce of one clone
+        (split(1), split(0), piece),  # all_to_all, interleaved along dim 1 once
+        (split(1), broadcast, whole),  # all_gather, interleaved once
+        (partial_sum, split(1), whole),  # the chunks packed once for the wire
+    ]
+
+
 def _to_global_copies() -> list[str]:
     """``to_global`` for each one-collective case on the whole world (2 ranks, even)."""
     rank, world = sbpflow.env.get_rank(), sbpflow.env.get_world_size()
@@ -178,14 +221,7 @@ def _to_global_copies() -> list[str]:
     whole, total = parts[0], sum(parts)
     problems: list[str] = []
     piece_bytes = _nbytes(whole) // world
-    for src, dst, needed in [
-        (split(0), broadcast, 0),  # all_gather into the result
-        (partial_sum, split(0), 0),  # reduce_scatter from the source, into the result
-        (partial_sum, broadcast, _nbytes(whole)),  # all_reduce works in place: one clone
-        (split(1), split(0), piece_bytes),  # all_to_all, interleaved along dim 1 once
-        (split(1), broadcast, _nbytes(whole)),  # all_gather, interleaved once
-        (partial_sum, split(1), _nbytes(whole)),  # the chunks packed once for the wire
-    ]:
+    for src, dst, needed in _one_collective_cases(_nbytes(whole), piece_bytes):
         if src == partial_sum:
             value, local = total, parts[rank].clone()
         else:
@@ -199,6 +235,15 @@ def _to_global_copies() -> list[str]:
             partial(_box, x, dst),
             expected, needed, x,
         )  # fmt: skip
+    # P -> B of two members, 8 MiB (from collectives.EXCHANGED_ALL_REDUCE_BYTES up): a
+    # reduce_scatter and an all_gather inside the result (NOTE [gloo gathers and
+    # reductions]), no clone
+    rows = 8 * 2**20 // 4 // 64
+    big = [torch.randint(-8, 9, (rows, 64), generator=gen).float() for _ in range(world)]
+    x = sbpflow.to_global(big[rank].clone(), placement, partial_sum, check_meta=False)
+    problems += _measure(
+        f"large P -> B on rank {rank}", partial(_box, x, broadcast), sum(big), 0, x
+    )
     return problems
 
 
@@ -207,4 +252,46 @@ def test_one_collective_boxing_copies_only_what_the_layout_needs(
     dist_pool: DistributedPool,
 ) -> None:
     problems = [p for ranks in dist_pool.run(_to_global_copies) for p in ranks]
+    assert not problems, "\n".join(problems)
+
+
+def _to_global_wire_bytes() -> list[str]:
+    """Bytes each one-collective ``to_global`` sends from this rank (the whole world, even
+    pieces) against what its layout change needs: a gather sends the piece to each other
+    member, a reduce_scatter each other member's chunk once, an all_reduce the bound above,
+    an all_to_all the piece but this rank's chunk of it."""
+    rank, world = sbpflow.env.get_rank(), sbpflow.env.get_world_size()
+    placement = sbpflow.placement("cpu", list(range(world)))
+    shape = (8 * world, 6 * world)
+    whole = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape)
+    piece, other = _nbytes(whole) // world, world - 1
+    problems: list[str] = []
+    for src, dst, needed in [
+        (split(0), broadcast, other * piece),
+        (split(1), broadcast, other * piece),
+        (partial_sum, broadcast, 2 * other * piece),
+        (partial_sum, split(0), other * piece),
+        (partial_sum, split(1), other * piece),
+        (split(1), split(0), other * piece // world),
+    ]:
+        local = whole.clone() if src == partial_sum else whole.tensor_split(world, src.dim)[rank]
+        x = sbpflow.to_global(local.clone(), placement, src, check_meta=False, shape=shape)
+        value = whole * world if src == partial_sum else whole
+        expected = value if dst == broadcast else value.tensor_split(world, dst.dim)[rank]
+        with _counting_copies() as counter:
+            got = _box(x, dst)
+        if not torch.equal(got, expected):
+            problems.append(f"{src} -> {dst} on rank {rank}: wrong result")
+        if counter.sent > needed:
+            problems.append(
+                f"{src} -> {dst} on rank {rank}: sent {counter.sent} bytes, needs {needed}"
+            )
+    return problems
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_one_collective_boxing_sends_only_what_the_layout_needs(
+    dist_pool: DistributedPool,
+) -> None:
+    problems = [p for ranks in dist_pool.run(_to_global_wire_bytes) for p in ranks]
     assert not problems, "\n".join(problems)

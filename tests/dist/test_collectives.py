@@ -61,6 +61,11 @@ def _collectives_against_one_process(shape: tuple[int, int]) -> list[str]:
             total = sum(parts)
             got = collectives.reduce_scatter(parts[rank].clone(), dim, group, sizes, "sum")
             check(f"reduce_scatter {where}", got, torch.tensor_split(total, world, dim=dim)[member])
+            largest = torch.stack(parts).amax(0)
+            got = collectives.reduce_scatter(parts[rank].clone(), dim, group, sizes, "max")
+            check(
+                f"reduce_scatter max {where}", got, torch.tensor_split(largest, world, dim)[member]
+            )
             other = 1 - dim
             src_sizes = _sizes(shape[other], world)
             local = torch.tensor_split(whole, world, dim=other)[member].clone()
@@ -122,6 +127,32 @@ def _box_big() -> list[float]:
 def test_tensors_of_several_mib_give_the_single_process_result(dist_pool: DistributedPool) -> None:
     for errors in dist_pool.run(_box_big):
         assert max(errors) < 1e-5, errors
+
+
+def _large_all_reduces() -> list[str]:
+    """all_reduce into a new tensor of 8 MiB (two exchanges on two members, NOTE [gloo gathers
+    and reductions]) and of an odd length (gloo's own), in both group orders, sum and max,
+    against the one-process result; the source must stay as it was."""
+    rank = sbpflow.env.get_rank()
+    gen = torch.Generator().manual_seed(3)
+    problems = []
+    for shape in [(2**15, 64), (2**15 + 1, 63)]:
+        parts = [torch.randint(-8, 9, shape, generator=gen).float() for _ in range(2)]
+        for order in [(0, 1), (1, 0)]:
+            group = _groups.group_of("cpu", [order], rank)
+            assert group is not None
+            for op, expected in [("sum", parts[0] + parts[1]), ("max", parts[0].maximum(parts[1]))]:
+                source = parts[rank].clone()
+                got = collectives.all_reduce(source, group, op, inplace=False)
+                if not torch.equal(got, expected) or not torch.equal(source, parts[rank]):
+                    problems.append(f"{op} of {shape}, group {list(order)} on rank {rank}")
+    return problems
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_large_all_reduces_give_the_single_process_result(dist_pool: DistributedPool) -> None:
+    problems = [p for ranks in dist_pool.run(_large_all_reduces) for p in ranks]
+    assert not problems, "\n".join(problems)
 
 
 def _rank_one_exits_mid_collective() -> str:
