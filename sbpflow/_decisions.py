@@ -207,6 +207,11 @@ class Propagator:
             self.decisions[key] = decision
         return decision
 
+    def reads_floats(self, folded: Any) -> bool:
+        """Whether the decision of the call whose key with floats folded is ``folded`` holds
+        for its float values only (its rule read one)."""
+        return self.decisions.get(folded) is _READS_FLOATS
+
     def decide(
         self,
         registered: Registered,

@@ -106,9 +106,12 @@ class OpDispatcher:
             out = handler(func, args, kwargs)
             if out is not NotImplemented:  # NotImplemented: the general path below
                 return out
-        key = call_key(func, args, kwargs, fold_floats=False)
+        key = call_key(func, args, kwargs, fold_floats=True)
         try:
             fast = self.fast.get(key)
+            if fast is _BY_VALUE:  # its rule read a float argument (NOTE [fast path])
+                key = call_key(func, args, kwargs, fold_floats=False)
+                fast = self.fast.get(key)
         except TypeError:  # an unhashable argument: no fast entry
             key = fast = None
         if fast is not None:
@@ -162,6 +165,9 @@ class OpDispatcher:
         )
         if decision is None:  # no strategy keeps a written input's layout
             return self.fallback(func, args, kwargs)
+        if key is not None and self.propagator.reads_floats(key):
+            self.fast[key] = _BY_VALUE
+            key = call_key(func, args, kwargs, fold_floats=False)
         return self._run(
             decision, registered, func, args, kwargs, flat, spec, placement, positions, key
         )
@@ -337,7 +343,13 @@ def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # identical call finds it before any rule lookup and only unwraps the locals,
 # runs the op (or the rule's ``local`` function with the same context) and
 # wraps the outputs with the layouts and logical shapes the full path decided.
-# The key holds everything that decision depended on.
+# The key holds everything that decision depended on. It folds float arguments as
+# the propagator's does (NOTE [rules] in ops/_registry): an optimizer's step size,
+# new every step, finds the entry of the last step. A call whose rule read a float
+# leaves ``_BY_VALUE`` under its folded key and its entry under the exact values.
+
+
+_BY_VALUE: Any = object()  # under a folded key: the entries are keyed by float value
 
 
 @dataclass(frozen=True)

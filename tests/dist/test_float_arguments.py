@@ -88,30 +88,48 @@ def _adam_with_changing_lr() -> list[Any]:
         decided += 1
         return decide(*args, **kwargs)
 
-    per_step = []
+    dispatcher = GlobalTensor._op_dispatcher
+    run_rule = dispatcher._run_rule
+    full_path = 0  # calls of the optimizer's step that missed the fast path
+
+    def counting_full_path(*args: Any, **kwargs: Any) -> Any:
+        nonlocal full_path
+        full_path += 1
+        return run_rule(*args, **kwargs)
+
+    per_step, full_per_step = [], []
     propagator.decide = counting  # type: ignore[method-assign]
     try:
         for step in range(5):
-            before = decided
+            before, full_before = decided, full_path
             for m, opt, inp in ((plain, optimizers[0], data), (model, optimizers[1], x)):
                 for group in opt.param_groups:
                     group["lr"] = 0.05 / (step + 1)  # a new float every step
                 opt.zero_grad()
                 m(inp).square().mean().backward()
-                opt.step()
+                if m is model:
+                    dispatcher._run_rule = counting_full_path  # type: ignore[method-assign]
+                try:
+                    opt.step()
+                finally:
+                    vars(dispatcher).pop("_run_rule", None)  # the method again
             per_step.append(decided - before)
+            full_per_step.append(full_path - full_before)
     finally:
         del propagator.decide  # the method again
     same = all(
         torch.allclose(g.to_global(sbp=broadcast).to_local(), p, atol=1e-5)
         for g, p in zip(model.parameters(), plain.parameters(), strict=True)
     )
-    return [per_step, same]
+    return [per_step, full_per_step, same]
 
 
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_the_learning_rate_path_keeps_its_decisions(dist_pool: DistributedPool) -> None:
-    for per_step, same in dist_pool.run(_adam_with_changing_lr):
+    for per_step, full_per_step, same in dist_pool.run(_adam_with_changing_lr):
         assert per_step[0] > 0  # the first step decides its ops
         assert per_step[2:] == [0, 0, 0], per_step  # new learning rates: no new decision
+        # ... and its calls with new step sizes take the fast path (NOTE [fast path])
+        assert full_per_step[0] > 0
+        assert full_per_step[2:] == [0, 0, 0], full_per_step
         assert same
