@@ -543,13 +543,17 @@ def _to_own_layout(grad: torch.Tensor) -> torch.Tensor | None:
     own: Layout = leaf._meta.layout
     if not isinstance(grad, GlobalTensor) or grad._layout == own:
         return None
-    if _partial_on_a_data_axis(grad._layout, own):
-        _ARRIVED.leaf = leaf  # for ``_after_accumulate``, next on this thread
+    arrived_partial = _partial_on_a_data_axis(grad._layout, own)
+    if arrived_partial:
         handler = _partial_gradients
         if handler is not None and handler.holds(leaf):
+            _ARRIVED.leaf = leaf  # for ``_after_accumulate``, next on this thread
             return None  # accumulated as it is, reduced later (NOTE [partial gradients of leaves])
     # The ranks agree by construction (the same backward on every rank): no meta check.
-    return grad.to_global(own.placement, own.sbp, check_meta=False)
+    boxed = grad.to_global(own.placement, own.sbp, check_meta=False)
+    if arrived_partial:  # noted only once boxed: a failed boxing leaves nothing behind
+        _ARRIVED.leaf = leaf
+    return boxed
 
 
 def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:

@@ -132,7 +132,8 @@ class RandomOpInBackward(RuntimeError):
 
 _IN_BACKWARD = (
     "sbpflow: a random op on a global tensor (dropout with p > 0, bernoulli, normal_, ...) ran "
-    "during a backward pass, most likely in the recomputation of activation checkpointing. "
+    "during a backward pass: in the recomputation of activation checkpointing, or in a hook "
+    "or a custom backward. "
     "sbpflow's random state is not torch's generator, which torch.utils.checkpoint restores, "
     "so the recomputation would draw a different mask than the forward did and the "
     "gradients would be wrong. Checkpoint with "
@@ -140,7 +141,8 @@ _IN_BACKWARD = (
     "context_fn=sbpflow.utils.checkpoint_contexts)` (Hugging Face: "
     "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
     "False, 'context_fn': sbpflow.utils.checkpoint_contexts})`), which replays the forward's "
-    "draws, or keep random ops out of checkpointed regions."
+    "draws, or keep random ops out of checkpointed regions; draw a hook's random values "
+    "before the backward, or on plain tensors with your own generator."
 )
 
 

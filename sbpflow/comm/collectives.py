@@ -155,10 +155,10 @@ def _merge_leading(out: torch.Tensor, num: int, dim: int) -> torch.Tensor:
 def all_reduce(local: torch.Tensor, group: Group, reduce_op: str, inplace: bool) -> torch.Tensor:
     if group[1] is None:
         return local
+    if _exchanges_all_reduce(local, group):  # decided the same way on every member
+        return _all_reduce_exchanged(local.contiguous(), group, reduce_op)
     if inplace and local.is_contiguous():
         out = local
-    elif _exchanges_all_reduce(local, group):
-        return _all_reduce_exchanged(local, group, reduce_op)
     else:  # one copy, even from a non-contiguous view
         out = local.clone(memory_format=torch.contiguous_format)
     return _all_reduce_in_place(out, group, reduce_op)
@@ -420,12 +420,13 @@ EXCHANGED_ALL_REDUCE_BYTES = 4 * 2**20
 
 
 def _exchanges_all_reduce(local: torch.Tensor, group: Group) -> bool:
-    """Whether ``all_reduce`` into a new tensor runs as two exchanges (NOTE [gloo gathers
-    and reductions]): two members on gloo, a contiguous tensor in two equal halves, large."""
+    """Whether ``all_reduce`` runs as two exchanges into a new tensor (NOTE [gloo gathers
+    and reductions]): two members on gloo, a tensor in two equal halves, large. Only facts
+    every member shares decide it (not whether this rank may write into its tensor, nor
+    its strides): members running different protocols would hang."""
     return (
         len(group[0]) == 2
         and local.device.type == "cpu"
-        and local.is_contiguous()
         and local.numel() % 2 == 0
         and local.numel() * local.element_size() >= EXCHANGED_ALL_REDUCE_BYTES
         and not _functional.traced(local)

@@ -164,13 +164,20 @@ def _native_dropout_local(
 # this rank's box of it. So a compiled model draws the masks eager sbpflow draws
 # from the same seed, in the order the graph runs its dropouts (the same on every
 # rank: every rank runs the same graph). Tagged ``nondeterministic_seeded`` so
-# that no pass merges two draws or recomputes one in the backward; the mask is
-# saved for the backward like native_dropout's.
+# that no pass merges two draws or recomputes one in the backward (the mask is
+# saved for the backward like native_dropout's), and ``cudagraph_unsafe`` where
+# torch has it, so that a CUDA graph never replays a draw without claiming new
+# positions (``mode="reduce-overhead"`` runs it outside the captured graph).
 
 
-@torch.library.custom_op(
-    "sbpflow::logical_bernoulli", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+_DRAW_TAGS = (
+    torch.Tag.nondeterministic_seeded,
+    # a CUDA graph would replay the draw without claiming new positions: never capture it
+    *(getattr(torch.Tag, name) for name in ("cudagraph_unsafe",) if hasattr(torch.Tag, name)),
 )
+
+
+@torch.library.custom_op("sbpflow::logical_bernoulli", mutates_args=(), tags=_DRAW_TAGS)
 def logical_bernoulli(
     like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
 ) -> torch.Tensor:
@@ -188,7 +195,7 @@ def logical_bernoulli(
 def _logical_bernoulli_fake(
     like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
 ) -> torch.Tensor:
-    return torch.empty_like(like)
+    return like.new_empty(like.shape)  # contiguous, as the real op's clone of a box
 
 
 @register(aten.native_dropout.default, family="nn", local=_native_dropout_local)

@@ -398,3 +398,31 @@ def test_compiled_training_on_2x2_mesh() -> None:
     for per_rank in results:
         assert all(got["frames"] == 1 for _, got in per_rank), per_rank
         assert per_rank[1][1]["graph_collectives"], per_rank  # the block: boxing in the graph
+
+
+def _transposed_dropout() -> dict[str, Any]:
+    """Dropout of a transposed split tensor (a non-contiguous piece) compiled by Inductor:
+    the masks eager sbpflow draws from the same seed, new ones on the second call."""
+    torch._dynamo.reset()
+    pl = _world()
+    gen = torch.Generator().manual_seed(4)
+    x = _global_batch(torch.randn(6, 10, generator=gen), pl, Split(1))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x.t() * 2, 0.5, training=True) + 1
+
+    sbpflow.manual_seed(7)
+    want = [_logical(f(x)) for _ in range(2)]
+    sbpflow.manual_seed(7)
+    compiled = torch.compile(f)
+    got = [_logical(compiled(x)) for _ in range(2)]
+    torch._dynamo.reset()
+    return {
+        "equal": [torch.equal(g, w) for g, w in zip(got, want, strict=True)],
+        "differ": not torch.equal(got[0], got[1]),
+    }
+
+
+def test_inductor_dropout_of_a_transposed_piece_draws_eager_masks() -> None:
+    for got in get_pool(2).run(_transposed_dropout):
+        assert got == {"equal": [True, True], "differ": True}, got
