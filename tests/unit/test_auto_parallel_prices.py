@@ -5,24 +5,13 @@ the expected numbers are counted by hand from the model's shapes, not by the pla
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
 from sbpflow.auto_parallel import ComputeModel, reprice
 from sbpflow.boxing.cost import CostModel
 from sbpflow.sbp import broadcast
-
-
-class MlpBlock(nn.Module):
-    def __init__(self, dim: int, inner: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, inner)
-        self.down = nn.Linear(inner, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+from tests.unit.test_auto_parallel import MlpBlock
 
 
 def _model(blocks: int, dim: int = 16, inner: int = 64) -> nn.Module:
