@@ -143,14 +143,11 @@ def _native_dropout_local(
     # partial piece is masked the same way, so their sum is masked.
     layout = ctx.input_layouts[0]
     mask_layout = Layout(layout.placement, tuple(B if s.is_partial else s for s in layout.sbp))
-    if compiling():  # NOTE [compiled dropout]
-        box = mask_layout.box(tuple(ctx.input_metas[0].shape), ctx.rank)
-        mask = torch.ops.sbpflow.logical_bernoulli(
-            x, keep, list(ctx.input_metas[0].shape), [a for a, _ in box]
-        )
-    else:
-        gen = logical_generator(bound, ctx, x.device)
-        mask = local_piece(_full(ctx, x).bernoulli_(keep, generator=gen), mask_layout, ctx.rank)
+    shape = list(ctx.input_metas[0].shape)
+    starts = [a for a, _ in mask_layout.box(tuple(shape), ctx.rank)]
+    # NOTE [compiled dropout]: traced, the draw is an op of the graph; eager, the same draw now
+    draw = torch.ops.sbpflow.logical_bernoulli if compiling() else _bernoulli_box
+    mask = draw(x, keep, shape, starts)
     scale = 0.0 if keep == 0 else 1.0 / keep
     return x * mask * scale, mask.to(torch.bool)
 
@@ -177,18 +174,23 @@ _DRAW_TAGS = (
 )
 
 
+def _bernoulli_box(
+    like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
+) -> torch.Tensor:
+    """This rank's box (at ``starts``, ``like``'s shape) of a Bernoulli(``keep``) draw of
+    the whole logical tensor at the program's next random positions."""
+    gen = _rng.generator(*_rng.take(math.prod(logical_shape)), like.device)
+    full = torch.empty(logical_shape, dtype=like.dtype, device=like.device)
+    full.bernoulli_(keep, generator=gen)
+    return full[tuple(slice(a, a + n) for a, n in zip(starts, like.shape, strict=True))]
+
+
 @torch.library.custom_op("sbpflow::logical_bernoulli", mutates_args=(), tags=_DRAW_TAGS)
 def logical_bernoulli(
     like: torch.Tensor, keep: float, logical_shape: list[int], starts: list[int]
 ) -> torch.Tensor:
-    """This rank's box (at ``starts``, ``like``'s shape) of a Bernoulli(``keep``) draw of
-    the whole logical tensor at the program's next random positions (NOTE [compiled dropout])."""
-    seed, offset = _rng.take(math.prod(logical_shape))
-    gen = _rng.generator(seed, offset, like.device)
-    full = torch.empty(logical_shape, dtype=like.dtype, device=like.device)
-    full.bernoulli_(keep, generator=gen)
-    box = tuple(slice(a, a + n) for a, n in zip(starts, like.shape, strict=True))
-    return full[box].clone()
+    """``_bernoulli_box`` drawn when a compiled graph runs (NOTE [compiled dropout])."""
+    return _bernoulli_box(like, keep, logical_shape, starts).clone()
 
 
 @logical_bernoulli.register_fake
