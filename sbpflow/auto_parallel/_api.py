@@ -9,6 +9,7 @@ import torch
 
 from ..boxing.cost import CostModel
 from ..boxing.plan import BoxingStep, _fmt_bytes
+from ..nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
 from ..placement import Placement
 from ..sbp import NdSbp, normalize, sbp_str
 from ._capture import Graph, capture
@@ -377,11 +378,11 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
 # The search prices each parameter gradient's all_reduce on its own: its layout decides
 # whether there is one. At run time data-parallel buckets (nn/parallel/_reducer.py)
 # all-reduce the gradients of one group of ranks together, in backward order: a first
-# bucket of 1 MiB, then 25 MB each, one collective and one eager launch per bucket. So the
+# bucket of ``FIRST_BUCKET_BYTES``, then ``DEFAULT_BUCKET_CAP_MB`` each, one collective and
+# one eager launch per bucket. So the
 # predicted step counts each bucket's fixed cost (latency rounds, step overhead, the eager
 # work of a boxing step) once; the bytes cost the same either way. Not part of the
 # search: it lowers every data-parallel plan alike, by an amount its layouts hardly move.
-_FIRST_BUCKET_BYTES, _BUCKET_BYTES = 1024 * 1024, 25_000_000
 
 
 def _bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
@@ -399,10 +400,10 @@ def _bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
         for a in axes:
             ranks *= prices.mesh[a]
         fixed = prices.cost_model.all_reduce(ranks, 0.0) + extra
-        buckets, filled, cap = 1, 0.0, _FIRST_BUCKET_BYTES
+        buckets, filled, cap = 1, 0.0, FIRST_BUCKET_BYTES
         for c in reversed(found):  # the backward reaches the last parameters first
             if filled and filled + c.bytes_per_rank > cap:
-                buckets, filled, cap = buckets + 1, 0.0, _BUCKET_BYTES
+                buckets, filled, cap = buckets + 1, 0.0, DEFAULT_BUCKET_CAP_MB * 2**20
             filled += c.bytes_per_rank
         saved += (len(found) - buckets) * fixed
     return saved
