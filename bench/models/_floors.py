@@ -14,8 +14,8 @@ and backward give the loss and gradients of the unsplit model in one process.
   shapes, so the rank computes its half of the heads (and of the key/value heads, GQA
   groups intact). Each attention and MLP block takes its input through ``_CopyToShards``
   (identity forward, one all_reduce of the input's gradient in backward) and returns its
-  output through ``_SumOverShards`` (one all_reduce forward, identity backward): two
-  all_reduces per block each way. Norms, embedding and head are replicated; the batch is
+  output through ``_SumOverShards`` (one all_reduce forward, identity backward): per decoder
+  layer two all_reduces forward and two backward. Norms, embedding and head are replicated; the batch is
   the same on both ranks.
 - ``fsdp_floor``: each decoder layer and then the root keep their parameters as one flat
   shard per rank (padded to a multiple of the world size). A forward pre-hook all_gathers
