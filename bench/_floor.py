@@ -54,10 +54,14 @@ def _unwrap(a: Any) -> Any:
 
 
 def floor_model(base: nn.Module) -> nn.Module:
-    """A copy of ``base`` whose every parameter wraps its plain tensor in ``Floor``."""
+    """A copy of ``base`` whose every parameter wraps its plain tensor in ``Floor``; a
+    parameter shared by several modules (tied embeddings) stays one parameter."""
     model = copy.deepcopy(base)
+    wrapped: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(Floor.wrap(p.detach().clone()))
+                if id(p) not in wrapped:
+                    wrapped[id(p)] = nn.Parameter(Floor.wrap(p.detach().clone()))
+                module._parameters[name] = wrapped[id(p)]
     return model

@@ -16,18 +16,36 @@ Models, from configs built in code (random weights, no download), dropout off, n
 Sequences of 128 tokens, 4 per rank (data parallel: split on dim 0; tensor parallel: the
 same 4 on both ranks).
 
-Suites (torch peer first; the ratio column is sbpflow's median over the peer's):
+Suites (torch peer first; the ratio column is each variant's median over the peer's, and in
+eager mode the "/ floor" column its median over the floor's):
 
-- **dp-gpt2**, **dp-llama**: torch DDP; the floor (every parameter and the batch in the
-  minimal ``__torch_dispatch__`` subclass ``bench/_floor.Floor``, gradients averaged with
-  one flat all_reduce: what any Python tensor subclass pays); sbpflow global DP
+- **dp-gpt2**, **dp-llama**: torch DDP; the floor; sbpflow global DP
   (``model.to_global(P, broadcast)``, batch ``split(0)``); compiled: ``torch.compile(DDP)``
   and sbpflow ``torch.compile(model)``;
 - **tp-llama**: DTensor ``parallelize_module`` with torchtitan's plan (q/k/v/gate/up
-  column-wise, o/down row-wise) and sbpflow's Megatron layout (the same weights split);
-  eager and ``torch.compile(model)``;
-- **fsdp-llama**: torch ``fully_shard`` (FSDP2) and sbpflow ``fully_shard``, on each decoder
-  layer and then the root; eager and ``torch.compile(model)``.
+  column-wise, o/down row-wise); the floor; sbpflow's Megatron layout (the same weights
+  split); eager and ``torch.compile(model)``;
+- **fsdp-llama**: torch ``fully_shard`` (FSDP2); the floor; sbpflow ``fully_shard``, on each
+  decoder layer and then the root; eager and ``torch.compile(model)``.
+
+The floor (eager only, ``bench/models/_floors.py``) is the same model, batch and layout done
+by hand: every parameter and the batch in the minimal ``__torch_dispatch__`` subclass
+``bench/_floor.Floor``, every collective a plain ``torch.distributed`` call on the locals,
+with no layout logic: what any Python tensor subclass pays for that layout.
+
+- DP: a replica per rank; gradients averaged with one flat all_reduce after backward;
+- TP: the Megatron split on local shards (each rank computes its half of the heads and of
+  the MLP); each attention and MLP block takes its input through an identity whose backward
+  all_reduces the gradient and returns its output through one all_reduce (identity
+  backward);
+- FSDP: each decoder layer and the root keep their parameters as one flat shard per rank:
+  all_gathered before the module's forward, freed after a layer's forward and gathered again
+  when the gradient reaches its output (the root keeps them until its backward), the flat
+  gradient reduce_scattered and averaged; AdamW steps on the flat shards (5 tensors, where the
+  two ``fully_shard`` rows keep one shard per parameter).
+
+Each floor checks once, before timing, that its loss and gradients equal the unsplit model's
+in one process.
 
 A variant that raises is reported with its error instead of a time.
 
@@ -62,9 +80,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sbpflow  # noqa: E402
-from bench._floor import Floor, floor_model  # noqa: E402
 from bench._ranks import interleaved_step_times, join_world  # noqa: E402
 from bench._report import machine, write_section  # noqa: E402
+from bench.models._floors import dp_floor, fsdp_floor, tp_floor  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
@@ -146,7 +164,7 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
 
         out["torch DDP"] = torch_ddp
         if not compiled:
-            out["floor"] = lambda: _floor_step(base, local_ids)
+            out["floor"] = lambda: dp_floor(base, world_ids, rank)
         out["sbpflow global DP"] = sbpflow_dp
     elif kind == "tp":
         from torch.distributed.tensor.parallel import (
@@ -175,6 +193,8 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
             return _step(maybe(model), ids)
 
         out["DTensor TP"] = dtensor_tp
+        if not compiled:
+            out["floor"] = lambda: tp_floor(base, world_ids[:BATCH_PER_RANK], rank)
         out["sbpflow TP"] = sbpflow_tp
     else:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -197,29 +217,11 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
             return _step(maybe(model), ids)
 
         out["torch fully_shard"] = torch_fsdp
+        if not compiled:
+            out["floor"] = lambda: fsdp_floor(base, world_ids, rank)
         out["sbpflow fully_shard"] = sbpflow_fsdp
     del family
     return out
-
-
-def _floor_step(base: nn.Module, ids: torch.Tensor) -> Callable[[], None]:
-    model = floor_model(base)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    wrapped = Floor.wrap(ids)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        model(input_ids=wrapped, labels=wrapped).loss.backward()
-        grads = [p.grad._local for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= WORLD
-        pieces = flat.split([g.numel() for g in grads])
-        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(pieces, grads, strict=True)])
-        optimizer.step()
-
-    return step
 
 
 def _worker(rank: int, suite: str, compiled: bool, port: int, reps: int, queue: Any) -> None:
@@ -286,11 +288,12 @@ def main() -> None:
         f"{args.reps}`: GPT-2 (4 layers, 256 wide) and Llama (4 layers, hidden 256, "
         f"intermediate 1024, GQA), seq {SEQ}, {BATCH_PER_RANK} sequences per rank, AdamW; "
         f"median step time (ms) of each run, then the median of the {args.runs} runs' medians; "
-        "ratio: the variant's over the torch peer's (first row of each group); load: the "
-        "1-minute load average at the start of each run.",
+        "ratio: the variant's over the torch peer's (first row of each group); / floor: the "
+        "variant's over the floor's (eager: the same layout by hand on the minimal subclass); "
+        "load: the 1-minute load average at the start of each run.",
         "",
-        "| suite | mode | variant | ms per run | median ms | ratio | load per run |",
-        "|---|---|---|---|---:|---:|---|",
+        "| suite | mode | variant | ms per run | median ms | ratio | / floor | load per run |",
+        "|---|---|---|---|---:|---:|---:|---|",
     ]
     for suite in args.suites.split(","):
         for compiled in [m == "compiled" for m in ("eager", "compiled") if m in modes]:
@@ -300,19 +303,21 @@ def main() -> None:
                 runs.append(_one_run(suite, compiled, args.reps))
             mode = "compiled" if compiled else "eager"
             names = list(dict.fromkeys(n for times, errors in runs for n in [*times, *errors]))
-            peer = None
+            per_run = {n: [times[n] for times, _ in runs if n in times] for n in names}
+            middles = {n: statistics.median(t) for n, t in per_run.items() if t}
+            peer, floor = None, middles.get("floor")
             for name in names:
-                per_run = [times[name] for times, _ in runs if name in times]
                 error = next((errors[name] for _, errors in runs if name in errors), None)
-                if error or not per_run:
-                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | | |")
+                if error or name not in middles:
+                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | | | |")
                     continue
-                middle = statistics.median(per_run)
+                middle = middles[name]
                 peer = middle if peer is None else peer
-                each = ", ".join(f"{t:.1f}" for t in per_run)
+                each = ", ".join(f"{t:.1f}" for t in per_run[name])
+                over_floor = f"{middle / floor:.2f}" if floor else ""
                 lines.append(
                     f"| {suite} | {mode} | {name} | {each} | {middle:.1f} | {middle / peer:.2f} "
-                    f"| {', '.join(loads)} |"
+                    f"| {over_floor} | {', '.join(loads)} |"
                 )
                 print(lines[-1], flush=True)
     lines += ["", f"Load average at the end: {os.getloadavg()[0]:.1f} (1 min).", SECTION_END]
