@@ -13,7 +13,12 @@ stage log its forwards and the arrival of its output's gradient, with the micro-
 found from the data; that order must be the schedule's. The probes' markers count the
 micro-batches each stage holds: per stage exactly what the schedule's lists say
 (``Schedule.peak_live_microbatches``), per rank at most the schedule's memory bound. A test
-of the test runs the runtime with two backwards swapped and sees the check fail.
+of the test runs the runtime with two backwards swapped and sees the check fail. A probe at
+the loss counts the backward passes that start there: one per micro-batch on every rank,
+where a split backward's weight pass reuses what its input pass computed (NOTE [weight
+pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py): on every rank holding one stage, the
+first stage included (two on a rank holding several stages, whose weight pass runs the
+backward again).
 """
 
 from __future__ import annotations
@@ -77,12 +82,12 @@ class Chain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
             x = stage(x)
-        if not self.tied:
-            return x
-        w = self.stages[0].layers[0].weight  # 8 x 6
-        if self.tied_to is not None:
-            w = w.to_global(self.tied_to, B)
-        return x @ w
+        if self.tied:
+            w = self.stages[0].layers[0].weight  # 8 x 6
+            if self.tied_to is not None:
+                w = w.to_global(self.tied_to, B)
+            x = x @ w
+        return observer.at_loss(x)
 
 
 class TrainGraph(sbpflow.nn.Graph):
@@ -169,6 +174,7 @@ def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[s
         "schedule_peaks": dict(sched.peak_live_microbatches),
         "schedule_rank_peak": sched.peak_live_per_rank[rank],
         "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+        "backwards_from_loss": observer.backwards_from_loss(events),
     }
 
 
@@ -227,6 +233,12 @@ def _check(results: list[dict[str, Any]], schedule: str, tied: bool) -> None:
             assert got["stage_peaks"][stage] == got["schedule_peaks"][stage], (where, got)
         assert got["rank_peak"] == got["schedule_rank_peak"], (where, got)
         assert got["rank_peak"] <= _bound(schedule, 2, _M), (where, got["rank_peak"])
+        # One backward pass from the loss per micro-batch where a split backward's weight
+        # pass reuses what its input pass computed: every rank holding one stage, the first
+        # included. A rank holding several stages runs it again from the loss.
+        again = schedule in MULTI and schedule != "looped_bfs"
+        want = _M * (2 if again else 1)
+        assert got["backwards_from_loss"] == want, (where, got["backwards_from_loss"], want)
     # I on the first stage computes inside it only when a weight of it crossed placements.
     i0 = tied and ranks[0] != ranks[-1]
     observed, expected = _observed_and_expected(results, i0)

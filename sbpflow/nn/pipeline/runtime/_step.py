@@ -79,13 +79,12 @@ def run_step(
     todo = compute_order(schedule, holder, len(microbatches))
     held = schedule.stages_of(holder) if holder is not None else ()
     # NOTE [weight pass] in _weight_pass.py. Several stages on a rank park their weight pass
-    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole; so does
-    # the first stage, whose input half computes nothing inside it (its input needs no
-    # gradient): its weight pass is its whole backward either way, and run whole it frees
-    # each node's saved tensors as it goes.
-    reuse = (
-        len(held) == 1 and held[0] != 0 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
-    )
+    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole, freeing
+    # each stage's saved tensors at its own W. A rank holding one stage, the first included,
+    # reuses what its input pass computed: on the first stage, whose input half computes
+    # nothing inside it, W starts from the gradient of the stage's output and does not run
+    # the loss's backward (the stand-ins, the changes of placement) again.
+    reuse = len(held) == 1 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
     mbs = [
         MicroBatch(k, args, kwargs, context, reuse)
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
