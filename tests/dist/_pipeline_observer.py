@@ -157,7 +157,7 @@ def observed_order(
 
 
 def expected_order(
-    actions: Sequence[Action], input_half_reaches_first_stage: bool
+    actions: Sequence[Action], input_half_reaches_first_stage: bool, whole_weight_pass: bool
 ) -> list[tuple[str, int, int]]:
     """What the probes see of a rank's compute actions, run in that order.
 
@@ -165,15 +165,15 @@ def expected_order(
     stage, whose input needs no gradient, when no weight of it crossed to another placement
     (then I has nothing to compute inside the stage). W starts from the gradients I kept
     inside the stage (NOTE [weight pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py),
-    on a rank holding one stage, the first included, so there it reaches O only where I did
-    not: it then starts from the stage's output. On a rank holding several stages W runs
-    the backward again and reaches O. In a micro-batch whose backward this rank splits, a B
-    runs as its I and then its W (NOTE [several stages on a rank] in
-    sbpflow/nn/pipeline/runtime/_workers.py).
+    so it reaches O only where I did not: it then starts from the stage's output. With
+    ``whole_weight_pass`` (a rank holding several stages whose weight pass cannot be split
+    by stage: NOTE [weight pass on several stages] in
+    sbpflow/nn/pipeline/runtime/_workers.py) W runs the backward again and reaches O. In a
+    micro-batch whose backward this rank splits, a B runs as its I and then its W (NOTE
+    [several stages on a rank] in the same file).
     """
     split = {a.microbatch for a in actions if a.kind in (_I, _W)}
     seen: list[tuple[str, int, int]] = []
-    whole_weight_pass = len({a.stage for a in actions}) > 1
 
     def reaches(kind: ActionKind, stage: int) -> bool:
         input_half = stage > 0 or input_half_reaches_first_stage

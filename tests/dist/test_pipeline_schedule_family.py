@@ -126,11 +126,14 @@ def _layout(schedule: str) -> tuple[str, list[int]]:
     return schedule.removesuffix(" rr"), [0, 1, 0, 1]
 
 
-def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[str, Any]:
+def train_job(
+    schedule: str, tied: bool, swap_backwards: bool = False, unsplit: bool = False
+) -> dict[str, Any]:
     """Train through a graph running ``schedule``; log the last step from the model's probes.
 
     ``swap_backwards``: rank 0's runtime runs its last two backwards in the other order
-    (for the test of the test).
+    (for the test of the test). ``unsplit``: no weight pass can be split by stage (a rank
+    holding several stages then runs the backward again).
     """
     name, ranks = _layout(schedule)
     rank = sbpflow.env.get_rank()
@@ -146,7 +149,7 @@ def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[s
         model.tied_to = placements[-1]
     graph = TrainGraph(model, placements, name)
     losses = []
-    with _last_backwards_swapped_on_rank_0(swap_backwards):
+    with _last_backwards_swapped_on_rank_0(swap_backwards), _unsplit(unsplit):
         for step, (x, y) in enumerate(_batches()):
             if step == _STEPS - 1:
                 observer.start()
@@ -200,6 +203,23 @@ def _last_backwards_swapped_on_rank_0(swap: bool) -> Iterator[None]:
         _step.compute_order = planned  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def _unsplit(on: bool) -> Iterator[None]:
+    """While the block runs, no weight pass splits by stage (NOTE [weight pass on several
+    stages] in sbpflow/nn/pipeline/runtime/_workers.py)."""
+    from sbpflow.nn.pipeline.runtime._weight_pass import WeightPass
+
+    if not on:
+        yield
+        return
+    split = WeightPass.split
+    WeightPass.split = lambda self, window_of: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        WeightPass.split = split  # type: ignore[method-assign]
+
+
 def _reference(model: nn.Module) -> list[float]:
     """Plain full-batch training in this process."""
     opt = _optimizer(model)
@@ -213,15 +233,17 @@ def _reference(model: nn.Module) -> list[float]:
     return losses
 
 
-def _observed_and_expected(results: list[dict[str, Any]], i0: bool) -> tuple[Any, Any]:
+def _observed_and_expected(
+    results: list[dict[str, Any]], i0: bool, whole: bool = False
+) -> tuple[Any, Any]:
     observed = observer.observed_order(
         [got["events"] for got in results], results[0]["first_inputs"]
     )
-    expected = [observer.expected_order(got["planned"], i0) for got in results]
+    expected = [observer.expected_order(got["planned"], i0, whole) for got in results]
     return observed, expected
 
 
-def _check(results: list[dict[str, Any]], schedule: str, tied: bool) -> None:
+def _check(results: list[dict[str, Any]], schedule: str, tied: bool, whole: bool = False) -> None:
     _, ranks = _layout(schedule)
     for rank, got in enumerate(results):
         where = f"{schedule}, tied={tied}, rank {rank}"
@@ -234,14 +256,12 @@ def _check(results: list[dict[str, Any]], schedule: str, tied: bool) -> None:
         assert got["rank_peak"] == got["schedule_rank_peak"], (where, got)
         assert got["rank_peak"] <= _bound(schedule, 2, _M), (where, got["rank_peak"])
         # One backward pass from the loss per micro-batch where a split backward's weight
-        # pass reuses what its input pass computed: every rank holding one stage, the first
-        # included. A rank holding several stages runs it again from the loss.
-        again = schedule in MULTI and schedule != "looped_bfs"
-        want = _M * (2 if again else 1)
+        # pass reuses what its input pass computed, two where it runs the backward again.
+        want = _M * (2 if whole else 1)
         assert got["backwards_from_loss"] == want, (where, got["backwards_from_loss"], want)
     # I on the first stage computes inside it only when a weight of it crossed placements.
     i0 = tied and ranks[0] != ranks[-1]
-    observed, expected = _observed_and_expected(results, i0)
+    observed, expected = _observed_and_expected(results, i0, whole)
     observer.check_order(observed, expected)
 
 
@@ -254,6 +274,18 @@ def test_each_schedule_trains_exactly_and_runs_its_order(schedule: str) -> None:
     pool = get_pool(2)
     for tied in (False, True):
         _check(pool.run(train_job, schedule, tied), schedule, tied)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
+def test_a_weight_pass_not_split_by_stage_runs_the_backward_again(schedule: str) -> None:
+    """On a rank holding several stages, a micro-batch whose weight pass cannot be split by
+    stage (forced here) runs its backward again from the loss in W, stage by stage: losses
+    and parameters still equal single-process training, the order and the micro-batches held
+    per stage are still the schedule's, and the loss sees two backward passes per
+    micro-batch."""
+    pool = get_pool(2)
+    for tied in (False, True):
+        _check(pool.run(train_job, schedule, tied, False, True), schedule, tied, whole=True)
 
 
 def test_the_order_check_fails_when_the_runtime_runs_another_order() -> None:

@@ -78,17 +78,18 @@ def run_step(
     )
     todo = compute_order(schedule, holder, len(microbatches))
     held = schedule.stages_of(holder) if holder is not None else ()
-    # NOTE [weight pass] in _weight_pass.py. Several stages on a rank park their weight pass
-    # per stage (NOTE [several stages on a rank] in _workers.py) and run it whole, freeing
-    # each stage's saved tensors at its own W. A rank holding one stage, the first included,
-    # reuses what its input pass computed: on the first stage, whose input half computes
-    # nothing inside it, W starts from the gradient of the stage's output and does not run
-    # the loss's backward (the stand-ins, the changes of placement) again.
-    reuse = len(held) == 1 and any(a.kind is ActionKind.BACKWARD_WEIGHT for a in todo)
+    # NOTE [weight pass] in _weight_pass.py: each micro-batch whose backward this rank
+    # splits reuses what its input pass computed, on the first stage too (W starts from the
+    # gradient of the stage's output instead of running the loss's backward again), and on a
+    # rank holding several stages where it can (NOTE [weight pass on several stages] in
+    # _workers.py).
+    split = {a.microbatch for a in todo if a.kind is ActionKind.BACKWARD_WEIGHT}
     mbs = [
-        MicroBatch(k, args, kwargs, context, reuse)
+        MicroBatch(k, args, kwargs, context, k in split)
         for k, ((args, kwargs), context) in enumerate(zip(microbatches, contexts, strict=True))
     ]
+    for mb in mbs:
+        mb.no_gradient = (held_elsewhere.anchor,)
     recorder = Recorder(rank, stages)
     # NOTE [lanes] in _transfers.py: every pair the step moves data between, before any
     # action, on every rank
