@@ -166,8 +166,8 @@ def expected_order(
     (then I has nothing to compute inside the stage). W starts from the gradients I kept
     inside the stage (NOTE [weight pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py),
     so it reaches O only where I did not: it then starts from the stage's output. With
-    ``whole_weight_pass`` (a rank holding several stages whose weight pass cannot be split
-    by stage: NOTE [weight pass on several stages] in
+    ``whole_weight_pass`` (a rank holding only the first stage, or several stages whose
+    weight pass cannot be split by stage: NOTE [weight pass on several stages] in
     sbpflow/nn/pipeline/runtime/_workers.py) W runs the backward again and reaches O. In a
     micro-batch whose backward this rank splits, a B runs as its I and then its W (NOTE
     [several stages on a rank] in the same file).

@@ -99,7 +99,8 @@
 # gradient) from the gradients I saw where they branch off its path (NOTE
 # [weight pass] in _weight_pass.py), running again only the nodes where weight
 # gradients branch off; on a rank holding several stages, stage by stage (NOTE
-# [weight pass on several stages] in _workers.py). Where it cannot, W runs the
+# [weight pass on several stages] in _workers.py). On a rank holding only the
+# first stage (_step.py), and where it cannot, W runs the
 # loss's backward again, stopping between the rank's stages; the changes of
 # placement it crosses again return the gradients I computed (kept on the
 # autograd node) instead of receiving them a second time, so W sends and

@@ -195,20 +195,21 @@ class WeightPass:
         return keep
 
     def complete(self, input_grads: Sequence[Any]) -> bool:
-        """Fill in the gradients no hook saw; ``False`` when some cannot be known."""
+        """Fill in the gradients no hook saw (of the intermediates only); ``False`` when
+        some cannot be known."""
+        needed = {n for g in self.groups for n in g.intermediates}
         for t, node, grad in zip(self.inputs, self._input_nodes, input_grads, strict=True):
-            if node is None or isinstance(self._kept.get(node), tuple):
+            if node not in needed or isinstance(self._kept.get(node), tuple):
                 continue
             if t.grad_fn is not None:
                 self._missing(node, t.output_nr)[t.output_nr] = grad
         for t, grad in zip(self.outputs, self.gradients, strict=True):
             node = t.grad_fn
-            if node is None or isinstance(self._kept.get(node), tuple):
+            if node not in needed or isinstance(self._kept.get(node), tuple):
                 continue
             if grad is None:
                 grad = torch.ones_like(t, memory_format=torch.preserve_format)
             self._missing(node, t.output_nr)[t.output_nr] = grad
-        needed = {n for g in self.groups for n in g.intermediates}
         for node, grads in list(self._kept.items()):
             if isinstance(grads, list):
                 if node in needed and any(grads[i] is None for i in self._used.get(node, ())):
