@@ -10,10 +10,11 @@ user's module would:
   holds the stage (its pieces are not empty) the one at the input logs ``F`` with a
   fingerprint of the input (the sum of its local values); the one at the output logs
   ``O`` in backward, when the gradient of the stage's output arrives (a full backward B,
-  an input half I that computes inside the stage, a weight half W when I did not, on the
-  first stage, or on a rank holding several stages), and
-  links the input's
-  fingerprint to the output's.
+  an input half I that computes inside the stage, a weight half W when I did not), and
+  links the input's fingerprint to the output's.
+- ``at_loss`` marks the model's output: every rank, holding the last stage or not, logs
+  ``L`` each time a backward pass starts from the loss (B or I; a weight half that runs the
+  backward again from the loss instead of reusing what I computed logs a second one).
 - The micro-batch of each event is found from the data, not from the runtime: the first
   stage's input fingerprints are those of the batch's slices, and each later stage's input
   is the previous stage's output (same values, same fingerprint).
@@ -117,6 +118,27 @@ class ObservedStage(nn.Module):
         return _Out.apply(self.layers(_In.apply(x, self.stage, fp)), self.stage, fp)
 
 
+class _Loss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _log("L")
+        return grad
+
+
+def at_loss(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (the model's output), logging ``L`` whenever a backward pass runs through it."""
+    return _Loss.apply(y)
+
+
+def backwards_from_loss(events: Sequence[Event]) -> int:
+    """How many backward passes ran from the loss (``at_loss``) in ``events``."""
+    return sum(1 for e in events if e[0] == "L")
+
+
 def observed_order(
     events_by_rank: Sequence[Sequence[Event]], first_inputs: Sequence[float]
 ) -> list[list[tuple[str, int, int]]]:
@@ -135,7 +157,7 @@ def observed_order(
 
 
 def expected_order(
-    actions: Sequence[Action], input_half_reaches_first_stage: bool
+    actions: Sequence[Action], input_half_reaches_first_stage: bool, whole_weight_pass: bool
 ) -> list[tuple[str, int, int]]:
     """What the probes see of a rank's compute actions, run in that order.
 
@@ -143,21 +165,21 @@ def expected_order(
     stage, whose input needs no gradient, when no weight of it crossed to another placement
     (then I has nothing to compute inside the stage). W starts from the gradients I kept
     inside the stage (NOTE [weight pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py),
-    so it reaches O only where I did not: it then starts from the stage's output; on a rank
-    holding several stages, and on the first stage, W runs the backward again and reaches O.
-    In a micro-batch whose backward this rank splits, a B runs as its I and then its W
-    (NOTE [several stages on a rank] in sbpflow/nn/pipeline/runtime/_workers.py).
+    so it reaches O only where I did not: it then starts from the stage's output. With
+    ``whole_weight_pass`` (a rank holding only the first stage, or several stages whose
+    weight pass cannot be split by stage: NOTE [weight pass on several stages] in
+    sbpflow/nn/pipeline/runtime/_workers.py) W runs the backward again and reaches O. In a
+    micro-batch whose backward this rank splits, a B runs as its I and then its W (NOTE
+    [several stages on a rank] in the same file).
     """
     split = {a.microbatch for a in actions if a.kind in (_I, _W)}
     seen: list[tuple[str, int, int]] = []
-
-    whole_weight_pass = len({a.stage for a in actions}) > 1
 
     def reaches(kind: ActionKind, stage: int) -> bool:
         input_half = stage > 0 or input_half_reaches_first_stage
         if kind is _I:
             return input_half
-        return kind is not _W or whole_weight_pass or stage == 0 or not input_half
+        return kind is not _W or whole_weight_pass or not input_half
 
     for a in actions:
         if a.kind is ActionKind.FORWARD:

@@ -13,7 +13,11 @@ stage log its forwards and the arrival of its output's gradient, with the micro-
 found from the data; that order must be the schedule's. The probes' markers count the
 micro-batches each stage holds: per stage exactly what the schedule's lists say
 (``Schedule.peak_live_microbatches``), per rank at most the schedule's memory bound. A test
-of the test runs the runtime with two backwards swapped and sees the check fail.
+of the test runs the runtime with two backwards swapped and sees the check fail. A probe at
+the loss counts the backward passes that start there: one per micro-batch on every rank,
+where a split backward's weight pass reuses what its input pass computed (NOTE [weight
+pass] in sbpflow/nn/pipeline/runtime/_weight_pass.py): on ranks holding several stages too;
+two on a rank holding only the first stage, whose weight pass runs its whole backward.
 """
 
 from __future__ import annotations
@@ -77,12 +81,12 @@ class Chain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
             x = stage(x)
-        if not self.tied:
-            return x
-        w = self.stages[0].layers[0].weight  # 8 x 6
-        if self.tied_to is not None:
-            w = w.to_global(self.tied_to, B)
-        return x @ w
+        if self.tied:
+            w = self.stages[0].layers[0].weight  # 8 x 6
+            if self.tied_to is not None:
+                w = w.to_global(self.tied_to, B)
+            x = x @ w
+        return observer.at_loss(x)
 
 
 class TrainGraph(sbpflow.nn.Graph):
@@ -121,11 +125,14 @@ def _layout(schedule: str) -> tuple[str, list[int]]:
     return schedule.removesuffix(" rr"), [0, 1, 0, 1]
 
 
-def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[str, Any]:
+def train_job(
+    schedule: str, tied: bool, swap_backwards: bool = False, unsplit: bool = False
+) -> dict[str, Any]:
     """Train through a graph running ``schedule``; log the last step from the model's probes.
 
     ``swap_backwards``: rank 0's runtime runs its last two backwards in the other order
-    (for the test of the test).
+    (for the test of the test). ``unsplit``: no weight pass can be split by stage (a rank
+    holding several stages then runs the backward again).
     """
     name, ranks = _layout(schedule)
     rank = sbpflow.env.get_rank()
@@ -141,7 +148,7 @@ def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[s
         model.tied_to = placements[-1]
     graph = TrainGraph(model, placements, name)
     losses = []
-    with _last_backwards_swapped_on_rank_0(swap_backwards):
+    with _last_backwards_swapped_on_rank_0(swap_backwards), _unsplit(unsplit):
         for step, (x, y) in enumerate(_batches()):
             if step == _STEPS - 1:
                 observer.start()
@@ -169,6 +176,7 @@ def train_job(schedule: str, tied: bool, swap_backwards: bool = False) -> dict[s
         "schedule_peaks": dict(sched.peak_live_microbatches),
         "schedule_rank_peak": sched.peak_live_per_rank[rank],
         "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+        "backwards_from_loss": observer.backwards_from_loss(events),
     }
 
 
@@ -194,6 +202,23 @@ def _last_backwards_swapped_on_rank_0(swap: bool) -> Iterator[None]:
         _step.compute_order = planned  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def _unsplit(on: bool) -> Iterator[None]:
+    """While the block runs, no weight pass splits by stage (NOTE [weight pass on several
+    stages] in sbpflow/nn/pipeline/runtime/_workers.py)."""
+    from sbpflow.nn.pipeline.runtime._weight_pass import WeightPass
+
+    if not on:
+        yield
+        return
+    split = WeightPass.split
+    WeightPass.split = lambda self, window_of: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        WeightPass.split = split  # type: ignore[method-assign]
+
+
 def _reference(model: nn.Module) -> list[float]:
     """Plain full-batch training in this process."""
     opt = _optimizer(model)
@@ -207,15 +232,27 @@ def _reference(model: nn.Module) -> list[float]:
     return losses
 
 
-def _observed_and_expected(results: list[dict[str, Any]], i0: bool) -> tuple[Any, Any]:
+def _observed_and_expected(
+    results: list[dict[str, Any]], i0: bool, whole: bool = False
+) -> tuple[Any, Any]:
     observed = observer.observed_order(
         [got["events"] for got in results], results[0]["first_inputs"]
     )
-    expected = [observer.expected_order(got["planned"], i0) for got in results]
+    expected = [
+        observer.expected_order(got["planned"], i0, whole or _first_stage_only(got))
+        for got in results
+    ]
     return observed, expected
 
 
-def _check(results: list[dict[str, Any]], schedule: str, tied: bool) -> None:
+def _first_stage_only(got: dict[str, Any]) -> bool:
+    """Whether the rank holds the first stage only, whose weight pass runs its whole backward
+    from the loss (sbpflow/nn/pipeline/runtime/_step.py: there I computes nothing inside
+    the stage)."""
+    return got["stages"] == [0] and any(a.kind.value == "W" for a in got["planned"])
+
+
+def _check(results: list[dict[str, Any]], schedule: str, tied: bool, whole: bool = False) -> None:
     _, ranks = _layout(schedule)
     for rank, got in enumerate(results):
         where = f"{schedule}, tied={tied}, rank {rank}"
@@ -227,9 +264,14 @@ def _check(results: list[dict[str, Any]], schedule: str, tied: bool) -> None:
             assert got["stage_peaks"][stage] == got["schedule_peaks"][stage], (where, got)
         assert got["rank_peak"] == got["schedule_rank_peak"], (where, got)
         assert got["rank_peak"] <= _bound(schedule, 2, _M), (where, got["rank_peak"])
+        # One backward pass from the loss per micro-batch where a split backward's weight
+        # pass reuses what its input pass computed (a rank holding a later stage, or several
+        # stages), two where it runs the backward again.
+        want = _M * (2 if whole or _first_stage_only(got) else 1)
+        assert got["backwards_from_loss"] == want, (where, got["backwards_from_loss"], want)
     # I on the first stage computes inside it only when a weight of it crossed placements.
     i0 = tied and ranks[0] != ranks[-1]
-    observed, expected = _observed_and_expected(results, i0)
+    observed, expected = _observed_and_expected(results, i0, whole)
     observer.check_order(observed, expected)
 
 
@@ -242,6 +284,18 @@ def test_each_schedule_trains_exactly_and_runs_its_order(schedule: str) -> None:
     pool = get_pool(2)
     for tied in (False, True):
         _check(pool.run(train_job, schedule, tied), schedule, tied)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
+def test_a_weight_pass_not_split_by_stage_runs_the_backward_again(schedule: str) -> None:
+    """On a rank holding several stages, a micro-batch whose weight pass cannot be split by
+    stage (forced here) runs its backward again from the loss in W, stage by stage: losses
+    and parameters still equal single-process training, the order and the micro-batches held
+    per stage are still the schedule's, and the loss sees two backward passes per
+    micro-batch."""
+    pool = get_pool(2)
+    for tied in (False, True):
+        _check(pool.run(train_job, schedule, tied, False, True), schedule, tied, whole=True)
 
 
 def test_the_order_check_fails_when_the_runtime_runs_another_order() -> None:

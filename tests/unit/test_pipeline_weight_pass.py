@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from sbpflow.nn.pipeline.runtime._weight_pass import WeightPass
+from sbpflow.nn.pipeline.runtime._weight_pass import SavedTensors, WeightPass
 
 Graph = Callable[[], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
 
@@ -105,3 +105,50 @@ def test_a_gradient_nobody_saw_falls_back_to_the_whole_backward() -> None:
     with weights:
         grads = torch.autograd.grad([loss], [a], retain_graph=True, allow_unused=True)
     assert not weights.complete(grads)
+
+
+def _two_windows(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor], SavedTensors]:
+    """Two stages on one thread, each a window of its own; ``shared``: the second stage
+    uses the first's weight again (one leaf in both windows)."""
+    w1, w2 = _weights(4, 2)
+    saved = SavedTensors()
+    x = torch.randn(4, 6, requires_grad=True)
+    with saved.hooks():
+        saved.enter(0)
+        h = torch.tanh(x @ w1)
+        saved.enter(1)
+        y = torch.tanh(h @ (w1 if shared else w2))
+        loss = (y**2).sum()
+    return loss, [x, w1, w2], saved
+
+
+def test_a_weight_pass_splits_by_window_and_frees_each_window() -> None:
+    """Two windows (NOTE [weight pass on several stages] in
+    sbpflow/nn/pipeline/runtime/_workers.py): each group runs in the window its nodes were
+    made in, the weights get the gradients of one whole backward, and a window's saved
+    tensors, once freed, cannot be read again; a weight used in both windows cannot be
+    split."""
+    loss, leaves, _ = _two_windows(False)
+    loss.backward()
+    want = [t.grad for t in leaves]
+    loss, leaves, saved = _two_windows(False)
+    x, w1, w2 = leaves
+    weights = WeightPass([loss], [None], [x])
+    assert weights.split(saved.window_of)
+    assert sorted(g.window for g in weights.groups) == [0, 1]
+    with weights:
+        grads = torch.autograd.grad([loss], [x], retain_graph=True)
+    assert weights.complete(grads)
+    assert weights.run(1)  # the second stage's W
+    assert w1.grad is None and torch.equal(w2.grad, want[2])
+    saved.release(1)
+    weights.run()  # the last W: what is left
+    assert torch.equal(w1.grad, want[1])
+    try:
+        torch.autograd.grad([loss], [w2], retain_graph=True)
+    except RuntimeError as error:
+        assert "freed its saved tensors" in str(error)
+    else:
+        raise AssertionError("a freed window's saved tensors were read")
+    loss, leaves, saved = _two_windows(True)
+    assert not WeightPass([loss], [None], [leaves[0]]).split(saved.window_of)

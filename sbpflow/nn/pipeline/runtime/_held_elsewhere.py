@@ -88,6 +88,11 @@ class HeldElsewhere:
         self._outputs: dict[Any, _Outputs | None] = {}  # call key -> outputs, None: runs here
         self._anchor = torch.empty(0, requires_grad=True)  # makes stand-ins require grad
 
+    @property
+    def anchor(self) -> torch.Tensor:
+        """The leaf every stand-in hangs from, so that it requires grad; it never gets one."""
+        return self._anchor
+
     @contextlib.contextmanager
     def installed(self, stages: Sequence[Stage], rank: int) -> Iterator[None]:
         """While the block runs, each stage not held by ``rank`` answers calls with stand-ins."""

@@ -99,31 +99,51 @@ def run_input_gradients(mb: MicroBatch) -> None:
     outputs = [bw.tensor for bw in mb.backwards]
     gradients = [bw.gradient for bw in mb.backwards]
     inputs = _with_pieces(mb.crossed, mb)  # a crossed parameter's gradient inside its stage too
-    if mb.saved is None:  # the weight pass runs the backward again
+    saved, weights = mb.saved, None
+    if saved is not None:
+        weights = WeightPass(outputs, gradients, inputs, mb.no_gradient)
+        if saved.windowed and not weights.split(saved.window_of):
+            weights = None  # NOTE [weight pass on several stages] in _workers.py
+    if weights is None:  # the weight pass runs the backward again
         torch.autograd.grad(outputs, inputs, gradients, retain_graph=True, allow_unused=True)
         return
-    weights = WeightPass(outputs, gradients, inputs)
+    # Set before I runs: on a rank holding several stages, the weight pass of a later stage
+    # may run while I waits for this rank's next stage (NOTE [weight pass on several stages]).
+    mb.weight_pass = weights
     with weights:
         grads = torch.autograd.grad(
             outputs, inputs, gradients, retain_graph=True, allow_unused=True
         )
-    mb.weight_pass = weights if weights.complete(grads) else None
+    weights.complete(grads)
 
 
-def run_weight_gradients(mb: MicroBatch) -> None:
+def run_weight_gradients(mb: MicroBatch, window: int | None = None) -> None:
     """W: the weight gradients, from the gradients the input pass kept (NOTE [weight pass]
     in _weight_pass.py); or the rest of the backward, replaying what I moved, when it kept
-    none (NOTE [split backward])."""
-    weights, mb.weight_pass = mb.weight_pass, None
-    if weights is not None:
+    none (NOTE [split backward]).
+
+    With ``window`` (on a rank holding several stages: a stage's W, not the micro-batch's
+    last), the weight pass of that stage's window only, freeing its saved tensors when
+    none of it is left (NOTE [weight pass on several stages] in _workers.py).
+    """
+    weights = mb.weight_pass
+    if window is not None:
+        if weights is not None and weights.run(window) and mb.saved is not None:
+            mb.saved.release(window)
+        return
+    mb.weight_pass = None
+    if weights is not None and weights.completed:
         weights.run()
         return
     retain = any(bw.retain_graph for bw in mb.backwards)
-    torch.autograd.backward(
-        [bw.tensor for bw in mb.backwards],
-        [bw.gradient for bw in mb.backwards],
-        retain_graph=retain,
-    )
+    outputs = [bw.tensor for bw in mb.backwards]
+    gradients = [bw.gradient for bw in mb.backwards]
+    if weights is None or weights.ran_none:
+        torch.autograd.backward(outputs, gradients, retain_graph=retain)
+    else:  # the groups run so far are done: the other groups' weights only
+        left = weights.weights()
+        if left:
+            torch.autograd.backward(outputs, gradients, retain_graph=retain, inputs=left)
 
 
 def _check_splittable(bw: Backward) -> None:

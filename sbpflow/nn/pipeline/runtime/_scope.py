@@ -98,9 +98,10 @@
 # the weight gradients (the parameters, and any other leaf that needs a
 # gradient) from the gradients I saw where they branch off its path (NOTE
 # [weight pass] in _weight_pass.py), running again only the nodes where weight
-# gradients branch off. On a rank holding several stages W instead runs the
-# loss's backward again, to stop between its stages (NOTE [several stages on a
-# rank] in _workers.py), and so does the first stage (_step.py); the changes of
+# gradients branch off; on a rank holding several stages, stage by stage (NOTE
+# [weight pass on several stages] in _workers.py). On a rank holding only the
+# first stage (_step.py), and where it cannot, W runs the
+# loss's backward again, stopping between the rank's stages; the changes of
 # placement it crosses again return the gradients I computed (kept on the
 # autograd node) instead of receiving them a second time, so W sends and
 # receives nothing either way. Gradients and losses equal B's exactly.
@@ -173,6 +174,7 @@ class MicroBatch:
         # (NOTE [parameter pieces are leaves] in _held_here.py)
         self.pieces: list[tuple[GlobalTensor, torch.Tensor]] = []
         self.weight_pass: Any = None  # what the input pass kept for the weight pass
+        self.no_gradient: tuple[torch.Tensor, ...] = ()  # leaves no backward gives a gradient
         # its saved tensors, when its weight pass reuses what the input pass computed (NOTE
         # [saved tensors of a split micro-batch] in _weight_pass.py)
         self.saved = SavedTensors() if reuse else None

@@ -34,13 +34,15 @@
 # graph itself alive after the step. So for a micro-batch whose backward is split, ``build``
 # runs under ``saved_tensors_hooks`` that keep every saved tensor in the micro-batch's
 # ``SavedTensors``, emptied when W is done (``MicroBatch.release``): its activations are
-# freed at W, as a whole backward frees them at B.
+# freed at W, as a whole backward frees them at B; on a rank holding several stages, each
+# stage's at its own W (NOTE [weight pass on several stages] in _workers.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,65 +52,124 @@ __all__ = ["SavedTensors", "WeightPass"]
 
 
 class SavedTensors:
-    """The tensors a split micro-batch's graph saved (NOTE [saved tensors of a split micro-batch])."""
+    """The tensors a split micro-batch's graph saved (NOTE [saved tensors of a split micro-batch]),
+    by window (NOTE [weight pass on several stages] in _workers.py)."""
 
-    __slots__ = ("_tensors",)
+    __slots__ = ("_entered", "_starts", "_tensors", "_window", "_windows")
 
     def __init__(self) -> None:
-        self._tensors: list[torch.Tensor] | None = []
+        self._tensors: list[torch.Tensor | None] | None = []
+        self._windows: list[int | None] = []  # per tensor, the window it was saved in
+        self._starts: list[tuple[int, int]] = []  # (first autograd sequence number, window)
+        self._window: int | None = None
+        self._entered = False
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def enter(self, window: int) -> None:
+        """The nodes made and tensors saved from now on (on this thread) are ``window``'s; those
+        before the first window are the first's."""
+        if not self._entered:
+            self._windows = [window] * len(self._windows)
+        self._entered = True
+        self._window = window
+        if _sequence_nr is not None:
+            self._starts.append((_sequence_nr(), window))
+
+    @property
+    def windowed(self) -> bool:
+        return self._entered
+
+    def window_of(self, node: Node) -> int | None:
+        """The window ``node`` was made in (``None`` when unknown)."""
+        starts = self._starts
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, (node._sequence_nr(), _LAST)) - 1
+        return starts[max(i, 0)][1]
+
+    def release(self, window: int) -> None:
+        """Drop the tensors saved in ``window``."""
+        tensors = self._tensors
+        if tensors is None:
+            return
+        for i, w in enumerate(self._windows):
+            if w == window:
+                tensors[i] = None
 
     def _pack(self, tensor: torch.Tensor) -> int:
         tensors = self._tensors
         if tensors is None:
             raise RuntimeError("a pipelined micro-batch saved a tensor after its backward")
         tensors.append(tensor)
+        self._windows.append(self._window)
         return len(tensors) - 1
 
     def _unpack(self, index: int) -> torch.Tensor:
         tensors = self._tensors
-        if tensors is None:
+        tensor = tensors[index] if tensors is not None else None
+        if tensor is None:
             raise RuntimeError(
                 "a backward reached the graph of a pipelined micro-batch after its weight "
                 "pass freed its saved tensors: a zero-bubble schedule runs each micro-batch's "
                 "backward once. Do not call backward on build's outputs after the step."
             )
-        return tensors[index]
+        return tensor
 
     def clear(self) -> None:
         self._tensors = None
 
 
+_LAST = 1 << 62  # sorts after every window id
+
+
+# The autograd sequence number the next node made on this thread gets (``None`` where this
+# torch lacks it: no weight pass is then split by stage).
+_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
 class _Group:
-    __slots__ = ("intermediates", "weights")
+    __slots__ = ("branch", "intermediates", "weights", "window")
 
     def __init__(self) -> None:
         self.weights: list[Node] = []
         self.intermediates: list[Node] = []
+        self.branch: list[Node] = []  # the nodes between its weights and its intermediates
+        self.window: int | None = None  # where it runs, with windows
 
 
 class WeightPass:
     """What I keeps for W (NOTE [weight pass]): built before I, read after it."""
 
     def __init__(
-        self, outputs: Sequence[torch.Tensor], gradients: Sequence[Any], inputs: Sequence[Any]
+        self,
+        outputs: Sequence[torch.Tensor],
+        gradients: Sequence[Any],
+        inputs: Sequence[Any],
+        ignore: Sequence[torch.Tensor] = (),
     ) -> None:
+        """``ignore``: leaves that never get a gradient (the stand-ins' anchor, NOTE [stages
+        held elsewhere] in _held_elsewhere.py): not weights W runs into."""
         self.outputs = list(outputs)
         self.gradients = list(gradients)
         self.inputs = list(inputs)
         roots = [t.grad_fn for t in self.outputs if t.grad_fn is not None]
         self._consumers, self._used = _reverse_graph(roots)
-        self._leaves = {id(n.variable): n for n in self._consumers if _is_leaf_node(n)}
+        self._leaves = {id(_variable(n)): n for n in self._consumers if _is_leaf_node(n)}
         self._input_nodes = [self._node_of(t) for t in self.inputs]
         closure = _closure([n for n in self._input_nodes if n is not None], self._consumers)
         self._roots = roots
-        self.groups = _groups(
-            [n for n in self._consumers if _is_leaf_node(n)], closure | set(roots), self._consumers
-        )
+        ignored = {id(t) for t in ignore}
+        leaves = [
+            n for n in self._consumers if _is_leaf_node(n) and id(_variable(n)) not in ignored
+        ]
+        self.groups = _groups(leaves, closure | set(roots), self._consumers)
         self._kept: dict[Node, tuple[Any, ...]] = {}
         self._handles: list[Any] = []
+        self._replaying = False
+        self.completed = False  # I is done and every group's gradients are known
+        self.ran_none = True  # no group has run yet
 
     def _node_of(self, t: Any) -> Node | None:
         if not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -128,31 +189,34 @@ class WeightPass:
 
     def _keeper(self, node: Node) -> Any:
         def keep(grad_outputs: tuple[Any, ...]) -> None:
-            self._kept[node] = tuple(grad_outputs)
+            if not self._replaying:  # not a group's W run while I waits (several stages)
+                self._kept[node] = tuple(grad_outputs)
 
         return keep
 
     def complete(self, input_grads: Sequence[Any]) -> bool:
-        """Fill in the gradients no hook saw; ``False`` when some cannot be known."""
+        """Fill in the gradients no hook saw (of the intermediates only); ``False`` when
+        some cannot be known."""
+        needed = {n for g in self.groups for n in g.intermediates}
         for t, node, grad in zip(self.inputs, self._input_nodes, input_grads, strict=True):
-            if node is None or isinstance(self._kept.get(node), tuple):
+            if node not in needed or isinstance(self._kept.get(node), tuple):
                 continue
             if t.grad_fn is not None:
                 self._missing(node, t.output_nr)[t.output_nr] = grad
         for t, grad in zip(self.outputs, self.gradients, strict=True):
             node = t.grad_fn
-            if node is None or isinstance(self._kept.get(node), tuple):
+            if node not in needed or isinstance(self._kept.get(node), tuple):
                 continue
             if grad is None:
                 grad = torch.ones_like(t, memory_format=torch.preserve_format)
             self._missing(node, t.output_nr)[t.output_nr] = grad
-        needed = {n for g in self.groups for n in g.intermediates}
         for node, grads in list(self._kept.items()):
             if isinstance(grads, list):
                 if node in needed and any(grads[i] is None for i in self._used.get(node, ())):
                     return False  # an output that got a gradient in I, which nobody saw
                 self._kept[node] = tuple(grads)
-        return all(n in self._kept for g in self.groups for n in g.intermediates)
+        self.completed = all(n in self._kept for g in self.groups for n in g.intermediates)
+        return self.completed
 
     def _missing(self, node: Node, index: int) -> list[Any]:
         grads = self._kept.get(node)
@@ -163,30 +227,70 @@ class WeightPass:
             self._kept[node] = grads  # type: ignore[assignment]
         return grads
 
-    def run(self) -> None:
-        """W: one backward per group, from its intermediates into its weights."""
-        kept = self._kept
+    def split(self, window_of: Callable[[Node], int | None]) -> bool:
+        """Give each group the window its nodes were made in; ``False`` when a group's nodes
+        span several (NOTE [weight pass on several stages] in _workers.py)."""
         for group in self.groups:
-            edges, grads = [], []
+            nodes = group.intermediates + [n for n in group.branch if not _is_leaf_node(n)]
+            windows = {window_of(n) for n in nodes}
+            if len(windows) != 1 or None in windows:
+                return False
+            group.window = windows.pop()
+        return True
+
+    def run(self, window: int | None = None) -> bool:
+        """W: one backward per group, from its intermediates into its weights.
+
+        With ``window``, only the groups of that window whose intermediates I has already
+        run (NOTE [weight pass on several stages] in _workers.py); returns whether none of
+        that window is left.
+        """
+        done = True
+        for group in list(self.groups):
+            if window is not None:
+                if group.window != window:
+                    continue
+                if not all(isinstance(self._kept.get(n), tuple) for n in group.intermediates):
+                    done = False
+                    continue
+            self.groups.remove(group)
+            self.ran_none = False
+            self._run_group(group)
+        if not self.groups:
+            self._kept = {}
+        return done
+
+    def weights(self) -> list[torch.Tensor]:
+        """The weights of the groups not run yet."""
+        return [_variable(node) for group in self.groups for node in group.weights]
+
+    def _run_group(self, group: _Group) -> None:
+        kept = self._kept
+        edges, grads = [], []
+        for node in group.intermediates:
+            for i, grad in enumerate(kept[node]):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(grad)
+        if not edges:
+            return
+        handles = []
+        if len(group.intermediates) > 1:
             for node in group.intermediates:
-                for i, grad in enumerate(kept[node]):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(grad)
-            if not edges:
-                continue
-            handles = []
-            if len(group.intermediates) > 1:
-                for node in group.intermediates:
-                    handles.append(node.register_prehook(lambda _g, saved=kept[node]: saved))
-            try:
-                weights = [node.variable for node in group.weights]
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
-            finally:
-                for handle in handles:
-                    handle.remove()
-        self._kept = {}
-        self.groups = []
+                handles.append(node.register_prehook(lambda _g, saved=kept[node]: saved))
+        self._replaying = True
+        try:
+            weights = [_variable(node) for node in group.weights]
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
+        finally:
+            self._replaying = False
+            for handle in handles:
+                handle.remove()
+
+
+def _variable(node: Node) -> torch.Tensor:
+    """The tensor of a leaf's AccumulateGrad node."""
+    return node.variable  # type: ignore[attr-defined]
 
 
 def _is_leaf_node(node: Node) -> bool:
@@ -248,8 +352,10 @@ def _groups(
         joined = {id(group_of[n]): group_of[n] for n in met if n in group_of}
         group = _Group()
         group.weights.append(weight)
+        group.branch.extend(seen)
         for other in joined.values():
             group.weights.extend(other.weights)
+            group.branch.extend(other.branch)
             group.intermediates.extend(other.intermediates)
             groups.remove(other)
         group.intermediates.extend(

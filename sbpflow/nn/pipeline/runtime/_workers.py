@@ -19,18 +19,40 @@
 #     forward), and where the gradient of a held stage's output is ready (the
 #     stage's B, I or W: two held stages next to each other hand over without a
 #     transfer).
-# With a split backward (zero bubble, NOTE [split backward] in _scope.py) a
-# micro-batch has a second worker for its weight pass: the schedule may run
-# W(4, k) before I(2, k), while the first worker is parked in its input pass
-# waiting for I(2, k). The weight pass runs from the loss like the input pass
-# and parks in the same places for W; a B in a micro-batch whose backward is
-# split runs as its I then its W. The runtime grants the actions in the
-# schedule's order; a worker parked on another action than the one granted
-# means the model's stages do not follow the schedule (e.g. a stage called
-# twice) and is an error. Each worker runs in its micro-batch's
-# ``contextvars.Context`` (its scope and random stream) with the runtime's grad
-# mode and CPU autocast, and runs its backward passes on its own thread
-# (``torch.autograd.set_multithreading_enabled(False)``).
+# With a split backward (zero bubble, NOTE [split backward] in _scope.py) the
+# worker runs the input pass I and parks in it as in a full backward; the weight
+# pass usually needs none (NOTE [weight pass on several stages]), and a B in a
+# micro-batch whose backward is split runs as its I then its W. The runtime
+# grants the actions in the schedule's order; a worker parked on another action
+# than the one granted means the model's stages do not follow the schedule
+# (e.g. a stage called twice) and is an error. Each worker runs in its
+# micro-batch's ``contextvars.Context`` (its scope and random stream) with the
+# runtime's grad mode and CPU autocast, and runs its backward passes on its own
+# thread (``torch.autograd.set_multithreading_enabled(False)``).
+#
+# NOTE [weight pass on several stages]
+# The weight pass reuses what the input pass computed here too (NOTE [weight
+# pass] in _weight_pass.py), stage by stage. In forward, entering held stage s
+# starts its window: the autograd nodes made and the tensors saved from then on
+# (the stage and the hand-off after it) are s's, those before the first window
+# the first's (``SavedTensors``, by autograd sequence number). I keeps the
+# gradients at the intermediates as on one stage. W sends and receives nothing,
+# so it needs no worker: W(s, k) runs on the runtime's thread, in a copy of the
+# micro-batch's context with a scope of its own, while k's input pass may still
+# be parked in its worker (ZBV runs W(3, k) before I(0, k) on the rank holding
+# stages 0 and 3). It runs the groups of weights whose intermediates and
+# branches lie in s's window, then frees the tensors saved in that window, as a
+# whole backward stopping between the stages would. By then I has run every
+# node of that window it runs: the engine runs the ready node with the highest
+# sequence number first, and I parks only at a node of an earlier window. The
+# micro-batch's last W on this rank (after all its I's) runs every group left
+# (one whose gradients I's hooks did not see is filled in when I returns) and
+# frees the rest. A group whose nodes span two windows (one leaf used on two of
+# the rank's stages) would keep a stage's activations past its W: then the
+# micro-batch does not reuse, and its W runs the loss's backward again on a
+# second worker, parking between the stages as I does, each window freed after
+# its W. I's keep hooks stay in place while it is parked and ignore a weight
+# pass running through them.
 """
 
 from __future__ import annotations
@@ -221,7 +243,10 @@ def run_on_workers(
     workers = _Workers(baton, held)
     split = {a.microbatch for a in todo if a.kind in (_I, _W)}
     first_backward: dict[int, Action] = {}
-    for a in todo:
+    last_weight: dict[int, int] = {}  # k: the index in todo of its last W on this rank
+    for index, a in enumerate(todo):
+        if a.microbatch in split and a.kind in (_B, _W):
+            last_weight[a.microbatch] = index
         if a.kind in (_B, _I):
             first_backward.setdefault(
                 a.microbatch, Action(_I, a.stage, a.microbatch) if a.microbatch in split else a
@@ -240,7 +265,7 @@ def run_on_workers(
             mb.release()
         scope.phase = Phase.IDLE
 
-    def weight_pass(task: Task) -> None:
+    def weight_pass(task: Task) -> None:  # the whole backward again
         run_weight_gradients(task.scope.mb)
         task.scope.mb.release()
 
@@ -254,14 +279,27 @@ def run_on_workers(
     weights = [task_for(mb, weight_pass, Phase.WEIGHT) for mb in mbs]
     hooks = _stage_hooks(stages, held, workers)
     try:
-        for action in todo:
+        for index, action in enumerate(todo):
             k, kind = action.microbatch, action.kind
             start = time.monotonic()
-            if kind is _B and k in split:  # runs as its two halves
-                baton.grant(mains[k], Action(_I, action.stage, k))
-                baton.grant(weights[k], Action(_W, action.stage, k))
+            if kind is _W or (kind is _B and k in split):  # B runs as its two halves
+                if kind is _B:
+                    baton.grant(mains[k], Action(_I, action.stage, k))
+                mb, last = mbs[k], last_weight[k] == index
+                if mb.weight_pass is None:  # W runs the backward again, on its worker
+                    baton.grant(weights[k], Action(_W, action.stage, k))
+                    if not last and mb.saved is not None:
+                        mb.saved.release(action.stage)
+                else:
+                    if last and not mains[k].done:
+                        raise RuntimeError(
+                            f"the schedule runs {action}, micro-batch {k}'s last weight pass on "
+                            "this rank, but its input pass has not finished: the model's stages "
+                            "do not match the schedule's."
+                        )
+                    _weight_pass(Action(_W, action.stage, k), mb, transfers, last)
             else:
-                baton.grant(weights[k] if kind is _W else mains[k], action)
+                baton.grant(mains[k], action)
             recorder.add(action, start, time.monotonic())
             if kind is _F and mains[k].fwd_stage != action.stage:
                 raise RuntimeError(
@@ -272,7 +310,7 @@ def run_on_workers(
                 )
         unfinished = sorted(
             {t.k for t in mains if not t.done}
-            | {t.k for t in weights if t.k in split and not t.done}
+            | {t.k for t in weights if t.k in split and not t.done and t.thread is not None}
         )
         if unfinished:
             raise RuntimeError(
@@ -283,6 +321,20 @@ def run_on_workers(
         for handle in hooks:
             handle.remove()
         baton.abort()
+
+
+def _weight_pass(action: Action, mb: MicroBatch, transfers: StepTransfers, last: bool) -> None:
+    """W reusing what I computed, on the runtime's thread (NOTE [weight pass on several
+    stages])."""
+    scope = Scope(mb, transfers)
+    scope.phase, scope.action = Phase.WEIGHT, action
+    context = mb.context.copy()  # the input pass's worker may be inside mb.context
+    scope.enter(context)
+    if last:
+        context.run(run_weight_gradients, mb)
+        mb.release()
+    else:
+        context.run(run_weight_gradients, mb, action.stage)
 
 
 def _stage_hooks(stages: Sequence[Stage], held: tuple[int, ...], workers: _Workers) -> list[Any]:
@@ -298,6 +350,8 @@ def _stage_hooks(stages: Sequence[Stage], held: tuple[int, ...], workers: _Worke
             if scope is not None and scope.phase is Phase.FORWARD:
                 workers.baton.wait_for(scope.task, Action(_F, stage_id, scope.task.k))
                 scope.task.fwd_stage = stage_id
+                if scope.mb.saved is not None:  # NOTE [weight pass on several stages]
+                    scope.mb.saved.enter(stage_id)
 
         def leave(module: Any, args: Any, output: Any, stage_id: int = stage.stage_id) -> None:
             if _worker_scope() is None:
