@@ -30,8 +30,9 @@
 # leaf), so a tensor made anew each step stays on the per-parameter path
 # instead of paying a check and a buffer each step. The passes a bare leaf was
 # seen in are counted in the ``Discovery``'s own ``Sightings``, not on the
-# tensor (a copy of the leaf is a new leaf, seen in none). ``torch.autograd.grad`` and
-# ``backward(create_graph=True)`` stay on the per-parameter path.
+# tensor (a copy of the leaf is a new leaf, seen in none).
+# ``torch.autograd.grad`` and ``backward(create_graph=True)`` stay on the
+# per-parameter path.
 # The core knows none of this: ``import sbpflow`` binds one ``Discovery`` to the
 # layout hooks' handler of partial gradients (``bind_partial_gradients``, in
 # ``sbpflow._install``, NOTE [what import sbpflow adds to torch]); importing this
@@ -85,7 +86,7 @@ class Sightings:
     def add(self, leaf: GlobalTensor) -> int:
         """Note one more backward pass; returns the new count."""
         hooks = _hooks_of(leaf)
-        if hooks is None:  # no hooks of its own (a copy in the making): nothing to count by
+        if hooks is None:  # no hook dict of its own: nothing to check a record against
             return 0
         seen = self.count(leaf) + 1
         key = id(leaf)
