@@ -204,12 +204,13 @@ class LocalContext:
         it once per rank.
         """
         layout = self.output_layouts[index]
+        axes = [
+            a for a, s in enumerate(layout.sbp) if isinstance(s, Partial) and s.reduce_op == "sum"
+        ]
+        if not axes:  # no partial-sum axis (an optimizer's ``add_(eps)`` on B): every rank
+            return True
         coords = layout.placement.coords_of(self.rank)
-        return all(
-            c == 0
-            for c, s in zip(coords, layout.sbp, strict=True)
-            if isinstance(s, Partial) and s.reduce_op == "sum"
-        )
+        return all(coords[a] == 0 for a in axes)
 
 
 Rule = Callable[[OpInfo], Sequence[Strategy]]

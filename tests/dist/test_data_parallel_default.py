@@ -570,6 +570,58 @@ def test_bare_leaves_join_in_their_second_backward() -> None:
         assert max(got["errors"]) < _TOL, got
 
 
+def bare_leaf_records_job() -> dict[str, Any]:
+    """What a bare leaf's backward passes leave on it, how a deep copy of a leaf seen once
+    joins the buckets, and how many records leaves made anew each step leave behind."""
+    from sbpflow import _global
+
+    placement = _world()
+    w_full = torch.randn(6, 3, generator=torch.Generator().manual_seed(2))
+    w = w_full.to_global(placement, B).requires_grad_()
+    keys_before = set(w.__dict__)
+    x, _ = _micro_batches(0, 1)[0]
+    (gx,) = _split_batch(placement, x)
+    (gx @ w).pow(2).sum().backward()
+    added = sorted(set(w.__dict__) - keys_before - {"_grad_hooks_dict"})
+    # a copy of a leaf seen once is a new leaf: per-parameter first, buckets from its second
+    copied = copy.deepcopy(w)
+    ref = w_full.clone().requires_grad_()
+    counts, errors = [], []
+    for step in range(2):
+        x, _ = _micro_batches(step, 1)[0]
+        (gx,) = _split_batch(placement, x)
+        copied.grad, ref.grad = None, None
+        events: list[str] = []
+        with _recording_launches(events):
+            (gx @ copied).pow(2).sum().backward()
+        (x @ ref).pow(2).sum().backward()
+        counts.append(len(events))
+        errors.append((copied.grad.to_local() - ref.grad).abs().max().item())
+    sightings = getattr(_global._partial_gradients, "sightings", None)
+    if sightings is None:  # the discovery keeps no records of its own
+        return {"added": added, "counts": counts, "errors": errors, "grown": None}
+    gc.collect()
+    before = len(sightings)
+    for _ in range(5):  # leaves made anew each step, dropped after their step
+        fresh = w_full.to_global(placement, B).requires_grad_()
+        (gx @ fresh).sum().backward()
+        del fresh
+    gc.collect()
+    return {"added": added, "counts": counts, "errors": errors, "grown": len(sightings) - before}
+
+
+def test_bare_leaves_keep_no_data_parallel_state() -> None:
+    """The backward passes a bare leaf was seen in are counted by the data-parallel side, not
+    in the tensor's ``__dict__``: the leaf gains no attribute, a deep copy of a leaf seen once
+    starts afresh (per-parameter in its first backward, buckets from its second), both with
+    one process's gradients, and dropped leaves leave no record behind."""
+    for got in get_pool(2).run(bare_leaf_records_job):
+        assert got["added"] == [], got
+        assert got["counts"] == [0, 1], got
+        assert max(got["errors"]) < _TOL, got
+        assert got["grown"] == 0, got
+
+
 def disagreeing_job() -> str:
     """Rank-dependent parameters handed to the order check (as a program whose ranks
     computed different gradients would): the error each rank raises."""

@@ -28,8 +28,11 @@
 # ``nn.Parameter``s join in their first backward pass; another leaf (a bare
 # ``requires_grad`` global tensor) in its second (its first is boxed per
 # leaf), so a tensor made anew each step stays on the per-parameter path
-# instead of paying a check and a buffer each step. ``torch.autograd.grad`` and
-# ``backward(create_graph=True)`` stay on the per-parameter path.
+# instead of paying a check and a buffer each step. The passes a bare leaf was
+# seen in are counted in the ``Discovery``'s own ``Sightings``, not on the
+# tensor (a copy of the leaf is a new leaf, seen in none).
+# ``torch.autograd.grad`` and ``backward(create_graph=True)`` stay on the
+# per-parameter path.
 # The core knows none of this: ``import sbpflow`` binds one ``Discovery`` to the
 # layout hooks' handler of partial gradients (``bind_partial_gradients``, in
 # ``sbpflow._install``, NOTE [what import sbpflow adds to torch]); importing this
@@ -49,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, PartialGradients
+from ..._global import GlobalTensor, PartialGradients, _pre_hooks
 from ..._meta_check import stable_hash
 from ...comm import collectives
 from ...comm._mesh import MESHES
@@ -58,9 +61,51 @@ from ...sbp import sbp_str
 from ._params import NO_SYNC, GlobalParam, data_axes
 from ._reducer import GradientSync, accumulating
 
-__all__ = ["Discovery"]
+__all__ = ["Discovery", "Sightings"]
 
-_SEEN = "_grad_backwards_seen"  # a bare leaf's __dict__: backward passes it was partial in
+
+class Sightings:
+    """How many backward passes each bare leaf's gradient arrived partial on a data axis in.
+
+    Kept by leaf ``id``, each record checked against the leaf's own gradient-hook dict, held
+    weakly (the leaf itself is never referenced: ``torch.utils.swap_tensors`` refuses a tensor
+    with weakrefs, and a strong reference would keep every leaf alive). That dict is made
+    for the leaf by its layout hooks and lives as long as it: a new tensor that takes a freed
+    leaf's ``id`` has another one, and counts from zero; the record goes when the dict does.
+    """
+
+    def __init__(self) -> None:
+        self._by_leaf: dict[int, tuple[weakref.ref[Any], int]] = {}
+
+    def count(self, leaf: GlobalTensor) -> int:
+        found = self._by_leaf.get(id(leaf))
+        if found is None or found[0]() is not _hooks_of(leaf):
+            return 0
+        return found[1]
+
+    def add(self, leaf: GlobalTensor) -> int:
+        """Note one more backward pass; returns the new count."""
+        hooks = _hooks_of(leaf)
+        if hooks is None:  # no hook dict of its own: nothing to check a record against
+            return 0
+        seen = self.count(leaf) + 1
+        key = id(leaf)
+        self._by_leaf[key] = (weakref.ref(hooks, functools.partial(self._drop, key)), seen)
+        return seen
+
+    def _drop(self, key: int, ref: weakref.ref[Any]) -> None:
+        found = self._by_leaf.get(key)
+        if found is not None and found[0] is ref:
+            del self._by_leaf[key]
+
+    def __len__(self) -> int:
+        return len(self._by_leaf)
+
+
+def _hooks_of(leaf: GlobalTensor) -> Any:
+    """The gradient-hook dict made for ``leaf`` (None if it has none)."""
+    hooks = _pre_hooks(leaf)
+    return hooks if type(hooks) is not dict else None  # ``{}``: none was made
 
 
 class Discovery(PartialGradients):
@@ -73,6 +118,7 @@ class Discovery(PartialGradients):
 
     def __init__(self) -> None:
         self._noted: list[GlobalTensor] = []
+        self.sightings = Sightings()  # bare leaves: the passes they were seen in
         self._held = False  # a noted gradient was left partial: reduce them at the end
         self._callback: Callable[[], Any] | None = None  # the end-of-backward one, weakly
 
@@ -81,22 +127,18 @@ class Discovery(PartialGradients):
         (which reduce its gradient then)."""
         return NO_SYNC.holds(leaf) or self._joins(leaf)
 
-    @staticmethod
-    def _joins(leaf: GlobalTensor) -> bool:
+    def _joins(self, leaf: GlobalTensor) -> bool:
         """Whether ``sees`` will note ``leaf`` in this backward pass (asked before it does)."""
         if not data_axes(leaf._layout) or not accumulating():
             return False
-        return isinstance(leaf, torch.nn.Parameter) or leaf.__dict__.get(_SEEN, 0) >= 1
+        return isinstance(leaf, torch.nn.Parameter) or self.sightings.count(leaf) >= 1
 
     def sees(self, leaf: GlobalTensor) -> None:
         """After AccumulateGrad of a leaf whose gradient arrived partial on a data axis."""
         if GradientSync.of(leaf) is not None or not data_axes(leaf._layout):
             return
-        if not isinstance(leaf, torch.nn.Parameter):
-            attrs = leaf.__dict__
-            seen = attrs[_SEEN] = attrs.get(_SEEN, 0) + 1
-            if seen < 2:
-                return
+        if not isinstance(leaf, torch.nn.Parameter) and self.sightings.add(leaf) < 2:
+            return
         if self._callback is None or self._callback() is None:
             # none queued in this backward pass (or the one that queued it raised)
             self._noted, self._held = [], False
