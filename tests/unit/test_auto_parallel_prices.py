@@ -34,6 +34,50 @@ def test_activations_are_the_tensors_the_backward_keeps() -> None:
     assert plan.memory.activations == want
 
 
+class _Quotient(nn.Module):
+    """``x / (lin(x) + 2)`` when ``over`` (the denominator needs a gradient), else
+    ``lin(x) / (|x| + 2)`` (only the numerator does)."""
+
+    def __init__(self, dim: int, over: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.over = over
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.over:
+            return x / (self.lin(x) + 2.0)
+        return self.lin(x) / (x.abs() + 2.0)
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward of ``model(x)``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+def test_a_division_keeps_its_denominator_and_its_numerator_when_the_denominator_trains() -> None:
+    """Autograd's ``div(a, b)`` saves ``b`` for both gradients, and ``a`` for ``b``'s. With
+    ``b = lin(x) + 2`` training, it keeps ``x``, ``b`` and the output (read by the loss);
+    ``lin(x)`` is read by ``add`` only. With ``a = lin(x)`` training and ``b = |x| + 2``
+    not, it keeps ``x`` (``lin``'s weight gradient), ``b`` and the output, not ``a``. The
+    sets are checked against what autograd saves on real tensors too."""
+    rows, dim = 8, 16
+    for over in (True, False):
+        model = _Quotient(dim, over)
+        x = torch.randn(rows, dim)
+        plan = sbpflow.auto_parallel(model, sbpflow.placement("cpu", [0]), x)
+        assert plan.memory.activations == 4 * 3 * rows * dim, over
+        # autograd's saved tensors (no weight: ``x`` needs no gradient), plus the output
+        assert plan.memory.activations == _saved_bytes(model, x) + 4 * rows * dim, over
+
+
 def test_the_predicted_step_counts_the_optimizer_update() -> None:
     """Every trained parameter costs its optimizer's elementwise ops (AdamW 9, SGD 1, none
     0) at ``update_op_seconds``, plus their bytes; the update is part of the step."""
