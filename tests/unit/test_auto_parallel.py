@@ -404,8 +404,10 @@ def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
     are the same every time (the model is data, passed explicitly)."""
     placement = sbpflow.placement("cpu", [0])
     measured = calibrate_compute(placement, repeats=1)
-    for value in (measured.flops_per_second, measured.bytes_per_second, measured.op_seconds):
-        assert 0 < value < float("inf")
+    square = calibrate_compute(sbpflow.placement("cpu", [[0]]), repeats=1)  # a 2-D mesh
+    for rates in (measured, square):
+        for value in (rates.flops_per_second, rates.bytes_per_second, rates.op_seconds):
+            assert 0 < value < float("inf")
     model = _mlp_model(blocks=2, dim=64, inner=128)
     two = sbpflow.placement("cpu", [0, 1])
     x = torch.randn(64, 64)
