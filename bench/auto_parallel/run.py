@@ -1,6 +1,6 @@
 """Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
 
-One run spawns 2 gloo ranks on this machine. Every rank plans with ``sbpflow.auto_parallel``
+One run spawns 2 gloo ranks on this machine (4 for the 2x2 mesh). Every rank plans with ``sbpflow.auto_parallel``
 (default prices, AdamW state counted) and trains with AdamW, one step at a time
 (zero_grad, forward, mean-square loss of the output, backward, optimizer.step). Just before
 and just after each case's steps it measures the machine's prices
@@ -25,6 +25,15 @@ and just after each case's steps it measures the machine's prices
   the plan vs sbpflow
   ``fully_shard`` (each block, then the root; batch ``split(0)``).
 
+On the 2x2 mesh (``--meshes 2x2``: 4 ranks, axis 0 data, axis 1 tensor parallel), the
+``mlp`` and ``llama`` cases again, the batch fixed ``(split(0), broadcast)``: the plan vs
+sbpflow's hand layout on axis 1 (Megatron / torchtitan's) broadcast on axis 0 (data
+parallel, its gradients all-reduced in the default buckets) vs DTensor ``parallelize_module``
+with the same plan on the ``tp`` sub-mesh of a ``(2, 2)`` DeviceMesh, wrapped in DDP over
+the ``dp`` sub-mesh (``_pre_dp_module_transform``, torch's way of composing the two), each
+rank fed its data-axis piece of the batch (its loss averaged over the data axis for the
+check). 4 ranks on a 2-core host are slow: ``--reps-2x2`` (default 3) steps per run.
+
 Measured per variant: the median step (the slower rank's), the collectives one step ran
 (``sbpflow.boxing.trace``; DTensor's are not traced), the peak bytes of one step (the CPU
 allocator's largest net growth during the step, from torch.profiler's memory events, on
@@ -36,6 +45,7 @@ Usage (from the repository root)::
 
     python bench/auto_parallel/run.py                            # 3 runs of 5 repetitions
     python bench/auto_parallel/run.py --runs 1 --reps 5          # a quick run
+    python bench/auto_parallel/run.py --meshes 2x2 --cases mlp   # the 2x2 rows only
     python bench/auto_parallel/run.py --out docs/benchmarks.md   # write the docs section
 """
 
@@ -556,6 +566,7 @@ def main() -> None:
             "between runs.",
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
+            f"({args.reps_2x2} on the 2x2 mesh) "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
             "the output. Each case measures this machine's prices on every rank, just before "
             "and just after its steps "
@@ -569,8 +580,8 @@ def main() -> None:
             "first), the larger rank's; DTensor's collectives are not traced. "
             "See bench/auto_parallel/run.py for the cases.",
             "",
-            f"Reproduce: `python bench/auto_parallel/run.py --runs {args.runs} --reps "
-            f"{args.reps} --out {args.out}`",
+            f"Reproduce: `python bench/auto_parallel/run.py --meshes {','.join(args.meshes)} "
+            f"--runs {args.runs} --reps {args.reps} --reps-2x2 {args.reps_2x2} --out {args.out}`",
             "",
             *lines,
             END,
