@@ -1,6 +1,6 @@
 """Auto-parallel: the plan's step against hand-written layouts, predicted against measured.
 
-One run spawns 2 gloo ranks on this machine. Every rank plans with ``sbpflow.auto_parallel``
+One run spawns 2 gloo ranks on this machine (4 for the 2x2 mesh). Every rank plans with ``sbpflow.auto_parallel``
 (default prices, AdamW state counted) and trains with AdamW, one step at a time
 (zero_grad, forward, mean-square loss of the output, backward, optimizer.step). Just before
 and just after each case's steps it measures the machine's prices
@@ -25,6 +25,15 @@ and just after each case's steps it measures the machine's prices
   the plan vs sbpflow
   ``fully_shard`` (each block, then the root; batch ``split(0)``).
 
+On the 2x2 mesh (``--meshes 2x2``: 4 ranks, axis 0 data, axis 1 tensor parallel), the
+``mlp`` and ``llama`` cases again, the batch fixed ``(split(0), broadcast)``: the plan vs
+sbpflow's hand layout on axis 1 (Megatron / torchtitan's) broadcast on axis 0 (data
+parallel, its gradients all-reduced in the default buckets) vs DTensor ``parallelize_module``
+with the same plan on the ``tp`` sub-mesh of a ``(2, 2)`` DeviceMesh, wrapped in DDP over
+the ``dp`` sub-mesh (``_pre_dp_module_transform``, torch's way of composing the two), each
+rank fed its data-axis piece of the batch (its loss averaged over the data axis for the
+check). 4 ranks on a 2-core host are slow: ``--reps-2x2`` (default 3) steps per run.
+
 Measured per variant: the median step (the slower rank's), the collectives one step ran
 (``sbpflow.boxing.trace``; DTensor's are not traced), the peak bytes of one step (the CPU
 allocator's largest net growth during the step, from torch.profiler's memory events, on
@@ -36,6 +45,7 @@ Usage (from the repository root)::
 
     python bench/auto_parallel/run.py                            # 3 runs of 5 repetitions
     python bench/auto_parallel/run.py --runs 1 --reps 5          # a quick run
+    python bench/auto_parallel/run.py --meshes 2x2 --cases mlp   # the 2x2 rows only
     python bench/auto_parallel/run.py --out docs/benchmarks.md   # write the docs section
 """
 
@@ -44,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -72,11 +83,14 @@ from sbpflow.auto_parallel import calibrate_compute, reprice  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
-WORLD = 2
 WARMUP = 2
 PLAN = "auto_parallel plan"
 START, END = "<!-- bench:auto_parallel:start -->", "<!-- bench:auto_parallel:end -->"
 CASES = ("mlp", "llama", "dp", "fsdp")
+# mesh shapes: "2" is 2 ranks (every case), "2x2" 4 ranks, axis 0 data and axis 1 tensor
+# parallel (the mlp and llama cases, the batch split on axis 0 and broadcast on axis 1)
+MESHES = {"2": (2,), "2x2": (2, 2)}
+CASES_2D = ("mlp", "llama")
 # collective block sizes the calibration times: the bench's tensors are 4 KiB to 2 MiB
 CALIBRATION_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 
@@ -116,6 +130,15 @@ def _llama() -> tuple[nn.Module, torch.Tensor]:
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1))
     return model, ids
+
+
+def _data_parallel_too(layout: Callable[[str, torch.Tensor], Any]) -> Callable[..., Any]:
+    """A 1-D tensor-parallel layout on axis 1 of a 2x2 mesh, broadcast on the data axis 0."""
+
+    def both(name: str, t: torch.Tensor) -> Any:
+        return (broadcast, layout(name, t))
+
+    return both
 
 
 def megatron_mlp(name: str, _t: torch.Tensor) -> Any:
@@ -170,11 +193,26 @@ def _state_bytes(step: Any) -> float:
     return total
 
 
-def _dtensor(model: nn.Module, plan: dict[str, Any]) -> nn.Module:
+def _dtensor(model: nn.Module, layers: Any, plan: dict[str, Any], mesh: tuple[int, ...]) -> Any:
+    """DTensor ``parallelize_module`` of each of ``layers`` with ``plan`` on the tensor axis
+    (the last); on a 2x2 mesh, DDP over the data axis too (``_pre_dp_module_transform``:
+    torch's way of composing them). Returns the model and the process group its loss is
+    averaged over (None: the loss is whole on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
+    names = ("dp", "tp") if len(mesh) == 2 else ("tp",)
+    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=names)
+    for layer in layers:
+        parallelize_module(layer, device_mesh["tp"], plan)
+    if len(mesh) == 1:
+        return model, None
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.nn.parallel import DistributedDataParallel
+
+    _pre_dp_module_transform(model)
+    group = device_mesh["dp"].get_group()
+    return DistributedDataParallel(model, process_group=group), group
 
 
 def _peak_bytes(step: Any, inputs: Any) -> float:
@@ -234,20 +272,36 @@ def _calibrated(placement: Any, clock: str = "wall") -> tuple[Any, Any]:
     return collectives.model, compute
 
 
-def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
+def _placement(mesh: tuple[int, ...]) -> Any:
+    ranks = torch.arange(math.prod(mesh)).reshape(mesh).tolist()
+    return sbpflow.placement("cpu", ranks)
+
+
+def _variants(
+    case: str, mesh: tuple[int, ...]
+) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, Any]]:
     """The step of each variant, and what to report: the plan's predictions, the losses."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    placement = sbpflow.placement("cpu", list(range(WORLD)))
-    whole = placement, broadcast
+    placement = _placement(mesh)
+    two_d = len(mesh) == 2
+    whole = placement, (broadcast,) * len(mesh)
+    # the batch as the runtime gets it: broadcast (1-D), split on the data axis (2x2)
+    batch_sbp = (split(0), broadcast) if two_d else (broadcast,)
+    # the local batch of a DTensor rank: its data-axis piece on the 2x2 mesh
+    local = slice(None)
     if case == "llama":
         base, x = _llama()
     elif case == "mlp":
         base, x = _mlp(256, 1024, 512)
     else:
         base, x = _mlp(64, 256, 4096)
+    if two_d:
+        rows = x.shape[0] // mesh[0]
+        start = dist.get_rank() // mesh[1] * rows
+        local = slice(start, start + rows)
     budget = None
-    fixed = {0: broadcast} if case in ("mlp", "llama") else None
+    fixed = {0: batch_sbp} if case in ("mlp", "llama") else None
     if case == "fsdp":
         replicated = sbpflow.auto_parallel(base, placement, x)
         state = replicated.memory.peak - replicated.memory.activations
@@ -263,38 +317,41 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
     gx = x.to_global(*whole).to_global(sbp=plan.input_sbp[0])
     steps = {PLAN: _step_fn(planned, gx)}
     batches = {PLAN: gx}
-    if case == "mlp":
-        hand = copy.deepcopy(base).to_global(*whole).to_global(placement, megatron_mlp)
-        batches["sbpflow hand Megatron"] = x.to_global(*whole)
-        steps["sbpflow hand Megatron"] = _step_fn(hand, batches["sbpflow hand Megatron"])
-        tp = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        dt = copy.deepcopy(base)
-        for block in dt:
-            _dtensor(block, tp)
-        steps["DTensor parallelize_module"] = _step_fn(dt, x)
-        batches["DTensor parallelize_module"] = x
-    elif case == "llama":
-        hand = copy.deepcopy(base).to_global(*whole).to_global(placement, torchtitan_llama)
-        batches["sbpflow hand torchtitan layout"] = x.to_global(*whole)
-        steps["sbpflow hand torchtitan layout"] = _step_fn(
-            hand, batches["sbpflow hand torchtitan layout"]
-        )
-        dt = copy.deepcopy(base)
-        for layer in dt.model.layers:
-            _dtensor(
-                layer,
-                {
-                    "self_attn.q_proj": ColwiseParallel(),
-                    "self_attn.k_proj": ColwiseParallel(),
-                    "self_attn.v_proj": ColwiseParallel(),
-                    "self_attn.o_proj": RowwiseParallel(),
-                    "mlp.gate_proj": ColwiseParallel(),
-                    "mlp.up_proj": ColwiseParallel(),
-                    "mlp.down_proj": RowwiseParallel(),
-                },
+    groups: dict[str, Any] = {}  # the DTensor variant's loss is its data-axis piece's
+    if case in ("mlp", "llama"):
+        hand_name, dt_name, tp_layout = (
+            ("sbpflow hand Megatron", "DTensor parallelize_module", megatron_mlp)
+            if case == "mlp"
+            else (
+                "sbpflow hand torchtitan layout",
+                "DTensor parallelize_module (torchtitan plan)",
+                torchtitan_llama,
             )
-        steps["DTensor parallelize_module (torchtitan plan)"] = _step_fn(dt, x)
-        batches["DTensor parallelize_module (torchtitan plan)"] = x
+        )
+        if two_d:
+            hand_name = hand_name.replace("hand", "hand data parallel x")
+            dt_name += " + DDP"
+            tp_layout = _data_parallel_too(tp_layout)
+        hand = copy.deepcopy(base).to_global(*whole).to_global(placement, tp_layout)
+        batches[hand_name] = x.to_global(*whole).to_global(sbp=batch_sbp)
+        steps[hand_name] = _step_fn(hand, batches[hand_name])
+        if case == "mlp":
+            tp = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        else:
+            tp = {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            }
+        dt = copy.deepcopy(base)
+        layers = dt if case == "mlp" else dt.model.layers
+        dt, groups[dt_name] = _dtensor(dt, layers, tp, mesh)
+        steps[dt_name] = _step_fn(dt, x[local])
+        batches[dt_name] = x[local]
     elif case == "dp":
         hand = copy.deepcopy(base).to_global(*whole)
         batches["sbpflow hand data parallel"] = x.to_global(*whole).to_global(sbp=split(0))
@@ -309,7 +366,7 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
         batches["sbpflow fully_shard"] = x.to_global(*whole).to_global(sbp=split(0))
         steps["sbpflow fully_shard"] = _step_fn(sharded, batches["sbpflow fully_shard"])
     want = float(_output(base(x)).pow(2).mean())
-    losses = {name: float(step()) for name, step in steps.items()}  # step 1 of each, untimed
+    losses = {name: _loss(step(), groups.get(name)) for name, step in steps.items()}  # untimed
     memory = plan.memory
     record = {
         "want": want,
@@ -326,6 +383,15 @@ def _variants(case: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[st
     return steps, record
 
 
+def _loss(loss: torch.Tensor, group: Any) -> float:
+    """The whole batch's loss: a data-parallel piece's averaged over its group (equal pieces)."""
+    if group is not None:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=group)
+        loss /= dist.get_world_size(group)
+    return float(loss)
+
+
 def _count(ops: Any) -> dict[str, int]:
     found: dict[str, int] = {}
     for c in ops:
@@ -334,13 +400,15 @@ def _count(ops: Any) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> None:
-    join_world(rank, WORLD, port)
+def _worker(
+    rank: int, port: int, mesh: tuple[int, ...], cases: list[str], reps: int, queue: Any
+) -> None:
+    join_world(rank, math.prod(mesh), port)
     warnings.filterwarnings("ignore")
     results = {}
-    placement = sbpflow.placement("cpu", list(range(WORLD)))
+    placement = _placement(mesh)
     for case in cases:
-        steps, record = _variants(case)
+        steps, record = _variants(case, mesh)
         # the plan's strategies, op by op, priced with this machine's constants measured
         # just before and just after the case's steps (the load drifts), averaged
         before = _calibrated(placement)
@@ -382,11 +450,14 @@ def _worker(rank: int, port: int, cases: list[str], reps: int, queue: Any) -> No
     dist.barrier()
 
 
-def _one_run(cases: list[str], reps: int) -> dict[str, Any]:
-    """One spawn of the ranks, every case in it."""
+def _one_run(mesh: tuple[int, ...], cases: list[str], reps: int) -> dict[str, Any]:
+    """One spawn of the mesh's ranks, every case in it."""
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
-        _worker, args=(free_port(), cases, reps, queue), nprocs=WORLD, start_method="spawn"
+        _worker,
+        args=(free_port(), mesh, cases, reps, queue),
+        nprocs=math.prod(mesh),
+        start_method="spawn",
     )
     return queue.get()
 
@@ -404,32 +475,47 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed steps per variant and run")
     parser.add_argument("--runs", type=int, default=3, help="whole runs, fresh processes each")
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    parser.add_argument(
+        "--meshes",
+        type=lambda text: text.split(","),
+        default=list(MESHES),
+        help=f"comma-separated mesh shapes among {', '.join(MESHES)} (2x2: mlp and llama)",
+    )
+    parser.add_argument(
+        "--reps-2x2", type=int, default=3, help="timed steps per variant and run on 2x2"
+    )
     parser.add_argument("--out", type=Path, help="write the results into this file's section")
     args = parser.parse_args()
+    unknown = [m for m in args.meshes if m not in MESHES]
+    if unknown:
+        parser.error(f"--meshes: unknown {unknown}; expected some of {', '.join(MESHES)}")
     load_start = os.getloadavg()[0]
     lines: list[str] = []
-    runs = [_one_run(args.cases, args.reps) for _ in range(args.runs)]
-    for case in args.cases:
+    jobs = []  # (mesh name, case, each run's (times, record))
+    for mesh_name in args.meshes:
+        mesh = MESHES[mesh_name]
+        cases = [c for c in args.cases if len(mesh) == 1 or c in CASES_2D]
+        reps = args.reps if len(mesh) == 1 else args.reps_2x2
+        results = [_one_run(mesh, cases, reps) for _ in range(args.runs)] if cases else []
+        jobs += [(mesh_name, case, [r[case] for r in results]) for case in cases]
+    for mesh_name, case, runs in jobs:
         medians: dict[str, list[float]] = {}
         record: dict[str, Any] = {}
-        for results in runs:
-            times, record = results[case]
+        for times, record in runs:
             for name, loss in record["losses"].items():
                 want = record["want"]
                 assert abs(loss - want) <= 1e-4 * max(1.0, abs(want)), (case, name, loss, want)
             for name, ms in times.items():
                 medians.setdefault(name, []).append(statistics.median(ms))
         step = {name: statistics.median(ms) for name, ms in medians.items()}
-        peaks = {name: statistics.median(r[case][1]["peak"][name] for r in runs) for name in step}
-        predicted_ms = statistics.median(r[case][1]["calibrated_ms"] for r in runs)
-        predicted_cpu = statistics.median(r[case][1]["calibrated_cpu_ms"] for r in runs)
-        cpu_ms = statistics.median(r[case][1]["cpu_ms"] for r in runs)
-        parts = [
-            statistics.median(r[case][1]["calibrated_parts"][i] for r in runs) for i in range(3)
-        ]
+        peaks = {name: statistics.median(r[1]["peak"][name] for r in runs) for name in step}
+        predicted_ms = statistics.median(r[1]["calibrated_ms"] for r in runs)
+        predicted_cpu = statistics.median(r[1]["calibrated_cpu_ms"] for r in runs)
+        cpu_ms = statistics.median(r[1]["cpu_ms"] for r in runs)
+        parts = [statistics.median(r[1]["calibrated_parts"][i] for r in runs) for i in range(3)]
         best_hand = min(v for k, v in step.items() if k != PLAN)
         rows = [
-            f"### {case}",
+            f"### {case}" + ("" if mesh_name == "2" else f" on {mesh_name}"),
             "",
             f"Plan: parameter layouts {', '.join(record['layouts'])}; predicted step "
             f"{record['predicted_ms']:.1f} ms by the default prices, {predicted_ms:.1f} ms by "
@@ -474,11 +560,13 @@ def main() -> None:
             START,
             "## Auto-parallel: the plan vs hand-written layouts",
             "",
-            f"Machine: `{machine()}`; {WORLD} gloo ranks on this host, one thread each. The "
+            f"Machine: `{machine()}`; gloo ranks on this host (2, or 4 on the 2x2 mesh), one "
+            "thread each. The "
             "machine is shared with other jobs and noisy: step times move by tens of percent "
             "between runs.",
             "",
             f"Load average {load}. {args.runs} run(s) of {args.reps} timed steps per variant "
+            f"({args.reps_2x2} on the 2x2 mesh) "
             f"after {WARMUP} warmup, variants interleaved; AdamW, fp32, mean-square loss of "
             "the output. Each case measures this machine's prices on every rank, just before "
             "and just after its steps "
@@ -492,8 +580,8 @@ def main() -> None:
             "first), the larger rank's; DTensor's collectives are not traced. "
             "See bench/auto_parallel/run.py for the cases.",
             "",
-            f"Reproduce: `python bench/auto_parallel/run.py --runs {args.runs} --reps "
-            f"{args.reps} --out {args.out}`",
+            f"Reproduce: `python bench/auto_parallel/run.py --meshes {','.join(args.meshes)} "
+            f"--runs {args.runs} --reps {args.reps} --reps-2x2 {args.reps_2x2} --out {args.out}`",
             "",
             *lines,
             END,

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..boxing.cost import CostModel
 from ..boxing.plan import BoxingStep, _fmt_bytes
-from ..nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
+from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..placement import Placement
 from ..sbp import NdSbp, normalize, sbp_str
 from ._capture import Graph, capture
-from ._costs import ComputeModel, Prices, local_bytes, optimizer_ops, optimizer_states
+from ._costs import (
+    BUCKET_CAP_BYTES,
+    ComputeModel,
+    Prices,
+    local_bytes,
+    optimizer_ops,
+    optimizer_states,
+)
 from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
 from ._saved import saved_outputs
 from ._solve import Problem, Solution, node_bytes, output_seconds, solve
-from ._strategies import Strategy, is_view, strategies, unsupported
+from ._strategies import Strategy, strategies, unsupported
 
 __all__ = ["auto_parallel", "reprice"]
 
@@ -214,7 +221,7 @@ def _collectives(
     phase: str,
     shape: tuple[int, ...],
     tensor: str,
-    parameter_gradient: bool = False,
+    bucketed: Callable[[BoxingStep], bool] = lambda step: False,
 ) -> list[Collective]:
     return [
         Collective(
@@ -227,18 +234,16 @@ def _collectives(
             str(s.src),
             str(s.dst),
             tensor,
-            parameter_gradient,
+            bucketed(s),
         )
         for s in steps
     ]
 
 
-def _shows_parameter(graph: Graph, n: int) -> bool:
-    """Whether node ``n`` is a parameter or a view of one."""
-    node = graph.nodes[n]
-    while is_view(node) and node.inputs:
-        node = graph.nodes[node.inputs[0][0]]
-    return node.kind == "param"
+def _into_parameter(prices: Prices, layout: NdSbp | None) -> Callable[[BoxingStep], bool]:
+    """Which steps of a gradient's boxing into a parameter laid out ``layout`` (``None``:
+    not a parameter) the data-parallel buckets run (NOTE [bucketed gradients])."""
+    return lambda step: layout is not None and prices.bucket_discount(step, layout) > 0
 
 
 def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
@@ -277,8 +282,13 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                     continue
                 target = chosen(u).out_grads[o]
             steps = prices.boxing(shape, dtype, grad_layout, target)[1]
+            into = (
+                target
+                if producer.kind == "param" and (problem.reps[u], o) not in solution.accumulate
+                else None
+            )
             collectives += _collectives(
-                steps, "backward", shape, name_of(u) + " gradient", _shows_parameter(graph, u)
+                steps, "backward", shape, name_of(u) + " gradient", _into_parameter(prices, into)
             )
         boxing_seconds += sum(c.seconds for c in collectives)
         act = node_bytes(node, strategy, problem)
@@ -328,7 +338,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                     "backward",
                     shape,
                     name_of(node.index) + " summed gradient",
-                    _shows_parameter(graph, node.index),
+                    _into_parameter(prices, target if node.kind == "param" else None),
                 )
     boxing_seconds += sum(c.seconds for c in producer_collectives)
     params = []
@@ -346,12 +356,14 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
             optimizer += prices.optimizer_seconds(node, chosen(n))
     memory = Memory(param_bytes, grad_bytes, grad_bytes * problem.optimizer_states, activations)
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
-    # the plan's own account of its costs is the program's objective
-    assert abs(compute + boxing_seconds - solution.seconds) <= 1e-6 * max(solution.seconds, 1e-9), (
-        compute + boxing_seconds,
+    every = [c for op in ops for c in op.collectives] + output_collectives + producer_collectives
+    # the plan's own account of its costs is the program's objective, where parameter
+    # gradients' all_reduces are priced as buckets (NOTE [bucketed gradients in the search])
+    searched = compute + boxing_seconds - _search_bucket_savings(every, prices)
+    assert abs(searched - solution.seconds) <= 1e-6 * max(solution.seconds, 1e-9), (
+        searched,
         solution.seconds,
     )
-    every = [c for op in ops for c in op.collectives] + output_collectives + producer_collectives
     return Plan(
         bucket_savings_seconds=_bucket_savings(every, prices),
         boundaries=_boundaries(problem, solution, tuple(output_sbp)),
@@ -375,35 +387,45 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
 
 
 # NOTE [bucketed gradients]
-# The search prices each parameter gradient's all_reduce on its own: its layout decides
-# whether there is one. At run time data-parallel buckets (nn/parallel/_reducer.py)
-# all-reduce the gradients of one group of ranks together, in backward order: a first
-# bucket of ``FIRST_BUCKET_BYTES``, then ``DEFAULT_BUCKET_CAP_MB`` each, one collective and
-# one eager launch per bucket. So the
-# predicted step counts each bucket's fixed cost (latency rounds, step overhead, the eager
-# work of a boxing step) once; the bytes cost the same either way. Not part of the
-# search: it lowers every data-parallel plan alike, by an amount its layouts hardly move.
+# The plan lists each parameter gradient's all_reduce on its own (``Collective``, priced one
+# by one): its layout decides whether there is one. At run time data-parallel buckets
+# (nn/parallel/_reducer.py) all-reduce the gradients of one group of ranks together, in
+# backward order: a first bucket of ``FIRST_BUCKET_BYTES``, then ``DEFAULT_BUCKET_CAP_MB``
+# each, one collective and one eager launch per bucket. So the predicted step counts each
+# bucket's fixed cost (latency rounds, step overhead, the eager work of a boxing step) once;
+# the bytes cost the same either way. The search prices them the same way, linearised (NOTE
+# [bucketed gradients in the search] in _costs.py); the predicted step counts the buckets
+# exactly.
 
 
-def _bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
-    """Seconds saved by all-reducing parameter gradients in buckets instead of one by one."""
+def _gradient_all_reduces(
+    collectives: Sequence[Collective],
+) -> dict[tuple[int, ...], list[Collective]]:
     by_axes: dict[tuple[int, ...], list[Collective]] = {}
     for c in collectives:
         if c.parameter_gradient and c.op == "all_reduce":
             by_axes.setdefault(c.axes, []).append(c)
-    extra = prices.compute.boxing_op_seconds
-    if extra is None:
-        extra = prices.compute.op_seconds
+    return by_axes
+
+
+def _search_bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
+    """What the search's linearised buckets take off the one-by-one prices."""
     saved = 0.0
-    for axes, found in by_axes.items():
-        ranks = 1
-        for a in axes:
-            ranks *= prices.mesh[a]
-        fixed = prices.cost_model.all_reduce(ranks, 0.0) + extra
+    for axes, found in _gradient_all_reduces(collectives).items():
+        fixed = prices.bucket_fixed_seconds(axes)
+        saved += sum(fixed * (1.0 - c.bytes_per_rank / BUCKET_CAP_BYTES) for c in found) - fixed
+    return saved
+
+
+def _bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
+    """Seconds saved by all-reducing parameter gradients in buckets instead of one by one."""
+    saved = 0.0
+    for axes, found in _gradient_all_reduces(collectives).items():
+        fixed = prices.bucket_fixed_seconds(axes)
         buckets, filled, cap = 1, 0.0, FIRST_BUCKET_BYTES
         for c in reversed(found):  # the backward reaches the last parameters first
             if filled and filled + c.bytes_per_rank > cap:
-                buckets, filled, cap = buckets + 1, 0.0, DEFAULT_BUCKET_CAP_MB * 2**20
+                buckets, filled, cap = buckets + 1, 0.0, BUCKET_CAP_BYTES
             filled += c.bytes_per_rank
         saved += (len(found) - buckets) * fixed
     return saved

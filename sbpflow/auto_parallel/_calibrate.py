@@ -96,8 +96,9 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
     add = _median(lambda: torch.add(x, y), repeats, device)
     model, batch = _tiny_model(device)
     num_ops = sum(2 if node.requires_grad else 1 for node in _ops(model, batch))
-    model = model.to_global(placement, broadcast)
-    batch = batch.to_global(placement, broadcast)
+    whole = (broadcast,) * placement.ndim  # every mesh axis
+    model = model.to_global(placement, whole)
+    batch = batch.to_global(placement, whole)
 
     def step() -> None:
         model(batch).sum().backward()
@@ -123,9 +124,11 @@ def _boxing_op(placement: Placement, repeats: int, device: torch.device) -> floa
     compare with)."""
     if placement.num_ranks == 1 or placement.num_ranks != dist.get_world_size():
         return None
-    partial = torch.ones(16, device=device).to_global(placement, partial_sum)
+    # partial on every axis: one all_reduce over the whole placement
+    partial = torch.ones(16, device=device).to_global(placement, (partial_sum,) * placement.ndim)
     bare = torch.ones(16, device=device)
-    boxed = _median(lambda: partial.to_global(sbp=broadcast), repeats, device)
+    whole = (broadcast,) * placement.ndim
+    boxed = _median(lambda: partial.to_global(sbp=whole), repeats, device)
     raw = _median(lambda: dist.all_reduce(bare), repeats, device)
     return max(boxed - raw, 0.0)
 

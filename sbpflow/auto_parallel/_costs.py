@@ -34,12 +34,15 @@ import torch
 from ..boxing import plan as boxing_plan
 from ..boxing.cost import CostModel, backend_for
 from ..boxing.plan import BoxingStep
+from ..nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB
 from ..placement import Placement
-from ..sbp import NdSbp, Split
+from ..sbp import Broadcast, NdSbp, Split
 from ._capture import Node
 from ._strategies import Strategy, op_flops
 
 __all__ = ["ComputeModel", "Prices", "optimizer_ops", "optimizer_states"]
+
+BUCKET_CAP_BYTES = DEFAULT_BUCKET_CAP_MB * 2**20  # a data-parallel bucket (nn/parallel/_reducer.py)
 
 BACKWARD_FACTOR = 2.0  # a backward costs about twice its forward (two matmuls per matmul)
 # AdamW's update of one parameter runs 9 elementwise ops (torch's single-tensor loop: two
@@ -180,6 +183,45 @@ class Prices:
             found = (result.cost + extra * len(steps), steps)
             self._boxing[key] = found
         return found
+
+    def bucket_fixed_seconds(self, axes: tuple[int, ...]) -> float:
+        """What one all_reduce over ``axes`` costs whatever its bytes: its latency rounds,
+        step overhead and the eager work of a boxing step (paid once per bucket)."""
+        ranks = math.prod(self.mesh[a] for a in axes)
+        extra = self.compute.boxing_op_seconds
+        if extra is None:
+            extra = self.compute.op_seconds
+        return self.cost_model.all_reduce(ranks, 0.0) + extra
+
+    def bucket_discount(self, step: BoxingStep, dst: NdSbp) -> float:
+        """What a parameter gradient's boxing step costs less in a bucket than alone.
+
+        NOTE [bucketed gradients in the search]: at run time data-parallel buckets
+        all-reduce together the gradients of parameters broadcast on the all_reduce's
+        axes (nn/parallel/_reducer.py), so such an all_reduce is priced with its bytes and
+        only its share ``bytes / BUCKET_CAP_BYTES`` of a bucket's fixed cost; the program
+        adds the fixed cost of one bucket once per set of axes any such all_reduce runs
+        over (the first bucket). Linear, and within one bucket's fixed cost of the
+        runtime's count. Other steps (a reduce_scatter into a sharded parameter) run alone:
+        no discount.
+        """
+        if step.op != "all_reduce" or not all(isinstance(dst[a], Broadcast) for a in step.axes):
+            return 0.0
+        return self.bucket_fixed_seconds(step.axes) * (1.0 - step.bytes_per_rank / BUCKET_CAP_BYTES)
+
+    def gradient_boxing(
+        self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
+    ) -> tuple[float, tuple[tuple[int, ...], ...]]:
+        """Search price of boxing a parameter's gradient ``src`` to the parameter's layout
+        ``dst``, and the axes of its bucketed all_reduces."""
+        seconds, steps = self.boxing(shape, dtype, src, dst)
+        axes = []
+        for step in steps:
+            discount = self.bucket_discount(step, dst)
+            if discount:
+                seconds -= discount
+                axes.append(step.axes)
+        return seconds, tuple(axes)
 
     def compute_seconds(self, node: Node, strategy: Strategy) -> float:
         """Forward and (when the op needs gradients) backward compute of one rank."""

@@ -33,8 +33,8 @@ class Collective:
     src: str
     dst: str
     tensor: str  # what is boxed: "fc1.weight", "input0", or the producing op
-    # a parameter's gradient (or a view of it: a linear's transposed weight), which
-    # data-parallel buckets may reduce together with others in one collective
+    # an all_reduce of a parameter's gradient into the parameter (broadcast on its axes),
+    # which data-parallel buckets reduce together with others in one collective
     parameter_gradient: bool = False
 
     @property

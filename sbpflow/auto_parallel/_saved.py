@@ -6,7 +6,9 @@
 # operand's gradient needs, ``gelu`` its input, ``rsqrt`` its output, layer norm its input
 # and its mean and rstd, attention its inputs and outputs. A view keeps its base alive, so a
 # saved view marks the tensor it views. Ops with no rule here are taken to save every
-# floating input (an upper bound). Temporaries freed within the forward (the output of a
+# floating input (an upper bound). A quotient ``a / b`` keeps its denominator whenever it
+# needs a gradient at all (both operands' gradients divide by ``b``) and its numerator only
+# when ``b`` needs one (``-grad * a / b**2``). Temporaries freed within the forward (the output of a
 # row-parallel matmul before its all_reduce, an ``add``'s operands) are not counted.
 """
 
@@ -39,7 +41,7 @@ _SAVES_NOTHING = {
 # ops whose backward reads their result
 _SAVES_OUTPUT = {"rsqrt", "sqrt", "exp", "tanh", "sigmoid", "_softmax", "softmax", "relu"}
 # ops whose backward reads, for each input, the other inputs (a product's operands)
-_SAVES_OTHERS = {"mm", "addmm", "bmm", "matmul", "mul", "div", "baddbmm"}
+_SAVES_OTHERS = {"mm", "addmm", "bmm", "matmul", "mul", "baddbmm"}
 
 
 def _saves(node: Node, graph: Graph) -> tuple[list[int], list[int]]:
@@ -54,6 +56,8 @@ def _saves(node: Node, graph: Graph) -> tuple[list[int], list[int]]:
         return [], [0]
     if base == "native_layer_norm":
         return [0], [1, 2]  # input, mean, rstd
+    if base == "div":
+        return _quotient(node, graph), []
     if base == "sdpa":
         return floating, list(range(len(node.out_shapes)))
     if base in _SAVES_OTHERS:
@@ -61,6 +65,18 @@ def _saves(node: Node, graph: Graph) -> tuple[list[int], list[int]]:
         grads = [i for i in operands if graph.nodes[node.inputs[i][0]].requires_grad]
         return [i for i in operands if any(j != i for j in grads)], []
     return floating, []
+
+
+def _quotient(node: Node, graph: Graph) -> list[int]:
+    """Input positions ``div(a, b)`` saves: ``b`` always, ``a`` when ``b`` needs a gradient.
+    A scalar denominator (``div.Scalar``: one tensor input) saves nothing."""
+    if len(node.inputs) < 2:
+        return []
+    numerator, denominator = node.inputs[0], node.inputs[1]
+    kept = [1] if _floating(graph, *denominator) else []
+    if graph.nodes[denominator[0]].requires_grad and _floating(graph, *numerator):
+        kept.insert(0, 0)
+    return kept
 
 
 def _floating(graph: Graph, u: int, o: int) -> bool:

@@ -11,6 +11,12 @@
 # sum c[k, m] y[k, m] is linear. Edges whose two ends have one group each need no y.
 # Minimise compute + boxing seconds (each tied class counted once per member), subject to
 # the bytes per rank (parameters, gradients, optimizer state, activations) <= the budget.
+# The all_reduce of a parameter's gradient into the parameter (broadcast there) is priced as
+# the data-parallel buckets run it (NOTE [bucketed gradients in the search] in _costs.py):
+# its bytes and its share of a bucket's fixed cost, plus one binary u[axes] per set of mesh
+# axes such all_reduces run over, which any choice (or pair variable) that runs one forces
+# to 1, and which costs one bucket's fixed cost: the first bucket. (A view of a parameter
+# hands a partial gradient on to it: the all_reduce can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
 """
@@ -20,6 +26,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+import torch
 
 from ..sbp import NdSbp, broadcast
 from ._capture import Graph, Node
@@ -158,6 +166,8 @@ class _Program:
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
+        # (column, axes): the column runs a parameter gradient's all_reduce over those axes
+        self.buckets: list[tuple[int, tuple[int, ...]]] = []
 
     def choice(self, costs: list[float], memory: list[float]) -> int:
         """A one-hot choice among ``len(costs)`` options; returns its first column."""
@@ -175,18 +185,23 @@ class _Program:
         left: dict[object, list[int]],
         right: dict[object, list[int]],
         table: dict[tuple[object, object], float],
+        buckets: dict[tuple[object, object], tuple[tuple[int, ...], ...]] | None = None,
     ) -> None:
-        """Add ``table[a, b]`` when the left choice is in group a and the right in group b."""
-        if not any(table.values()):
+        """Add ``table[a, b]`` when the left choice is in group a and the right in group b
+        (and mark it as running the parameter gradient all_reduces ``buckets[a, b]``)."""
+        buckets = buckets or {}
+        if not any(table.values()) and not any(buckets.values()):
             return
         if len(left) == 1 or len(right) == 1:
             for (a, b), c in table.items():
                 for col in right[b] if len(left) == 1 else left[a]:
                     self.cost[col] += c
+                    self.buckets += [(col, axes) for axes in buckets.get((a, b), ())]
             return
         index = {}
         for key, c in table.items():
             index[key] = len(self.cost)
+            self.buckets += [(index[key], axes) for axes in buckets.get(key, ())]
             self.cost.append(c)
             self.memory.append(0.0)
             self.tie_break.append(0.0)
@@ -217,6 +232,16 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
 
     graph, prices, reps = problem.graph, problem.prices, problem.reps
     counts = Counter(reps)
+
+    def gradient(
+        u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
+    ) -> tuple[float, tuple[tuple[int, ...], ...]]:
+        """Seconds (and bucketed all_reduce axes) of boxing the gradient of ``u`` into
+        ``u``'s own layout: a parameter's is all-reduced in buckets."""
+        if graph.nodes[u].kind == "param":
+            return prices.gradient_boxing(shape, dtype, src, dst)
+        return prices.boxing(shape, dtype, src, dst)[0], ()
+
     program = _Program()
     offset: dict[int, int] = {}
     for rep in sorted(problem.choices):
@@ -273,12 +298,9 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         layouts = candidates[(u, o)]
         sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
-        table = {
-            (a, g): counts[u] * prices.boxing(shape, dtype, g, a[1])[0]  # type: ignore[index]
-            for a in left
-            for g in right
-        }
-        program.pair(left, right, table)
+        found = {(a, g): gradient(u, shape, dtype, g, a[1]) for a in left for g in right}  # type: ignore[index]
+        table = {key: counts[u] * seconds for key, (seconds, _) in found.items()}
+        program.pair(left, right, table, {key: axes for key, (_, axes) in found.items()})
 
     # edges, merged per (producer class, output, consumer class, input)
     merged: Counter[tuple[int, int, int, int]] = Counter()
@@ -311,12 +333,33 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             continue
         left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
-        table = {
-            (a, b): count * sum(edge_seconds(graph, prices, (u, o), a, b))  # type: ignore[arg-type]
-            for a in left
-            for b in right
-        }
-        program.pair(left, right, table)
+        if graph.nodes[u].kind != "param":
+            table = {
+                (a, b): count * sum(edge_seconds(graph, prices, (u, o), a, b))  # type: ignore[arg-type]
+                for a in left
+                for b in right
+            }
+            program.pair(left, right, table)
+            continue
+        table, marks = {}, {}
+        for a in left:
+            for b in right:
+                forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
+                backward = (0.0, ())
+                if _needs_grad(graph, u, o):
+                    backward = gradient(u, shape, dtype, b[1], a[1])  # type: ignore[index]
+                table[(a, b)] = count * (forward + backward[0])
+                marks[(a, b)] = backward[1]
+        program.pair(left, right, table, marks)
+
+    # one bucket's fixed cost per set of axes parameter gradients are all-reduced over
+    bucket_columns = {}
+    for axes in sorted({axes for _, axes in program.buckets}):
+        bucket_columns[axes] = len(program.cost)
+        program.cost.append(prices.bucket_fixed_seconds(axes))
+        program.memory.append(0.0)
+        program.tie_break.append(0.0)
+        program.integer.append(1)
 
     num_vars = len(program.cost)
     c_time = np.asarray(program.cost)
@@ -330,6 +373,19 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         rhs.append(value)
     matrix = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(program.rows), num_vars))
     constraints = [LinearConstraint(matrix, rhs, rhs)]
+    if program.buckets:  # column <= u[axes]
+        rows = range(len(program.buckets))
+        marks = sparse.csr_matrix(
+            (
+                [1.0, -1.0] * len(program.buckets),
+                (
+                    [r for r in rows for _ in (0, 1)],
+                    [c for col, axes in program.buckets for c in (col, bucket_columns[axes])],
+                ),
+            ),
+            shape=(len(program.buckets), num_vars),
+        )
+        constraints.append(LinearConstraint(marks, -np.inf, 0.0))
     if budget is not None and objective == "time":
         constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
@@ -363,6 +419,6 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         seconds=float(c_time @ result.x),
         bytes_per_rank=float(c_memory @ result.x),
         num_variables=num_vars,
-        num_constraints=len(program.rows) + len(constraints) - 1,
+        num_constraints=len(program.rows) + sum(c.A.shape[0] for c in constraints[1:]),
         solve_seconds=elapsed,
     )

@@ -8,6 +8,7 @@ data mesh with no budget, sharded parameters under a budget below the replicated
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -113,17 +114,55 @@ def _mlp_model(blocks: int = 4, dim: int = 256, inner: int = 1024) -> nn.Module:
 
 def test_megatron_mlp_blocks_on_two_ranks() -> None:
     """bench/tp's 4 MLP blocks (256 -> 1024 -> 256, 512 rows) on 2 ranks, batch broadcast:
-    the plan is Megatron's hand layout, with its collectives: one all_reduce per block
-    forward and one backward, nothing else."""
+    the plan's parameters are Megatron's hand layout. Its activations are sequence
+    parallel: per block a reduce_scatter after ``down`` and an all_gather before ``up``
+    (the same bytes as Megatron's all_reduce; the norms and residual adds run on half the
+    rows), backward the reverse, except where the first block's input needs no gradient;
+    the norms' parameter gradients, partial, are all-reduced in one data-parallel bucket
+    (NOTE [bucketed gradients in the search]). No weight is gathered."""
     model = _mlp_model()
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
     assert plan.param_sbp == _hand(_megatron_mlp, model, 1)
     assert plan.diff(_megatron_mlp) == []
     assert plan.input_sbp == ((B,),)
-    ran = [(c.phase, c.op) for c in plan.collectives() if c.is_collective]
-    assert sorted(ran) == [("backward", "all_reduce")] * 4 + [("forward", "all_reduce")] * 4
+    steps = [c for c in plan.collectives() if c.is_collective]
+    bucketed = sorted(c.tensor for c in steps if c.parameter_gradient)
+    assert bucketed == sorted(
+        f"{b}.norm.{w} gradient" for b in range(4) for w in ("weight", "bias")
+    )
+    assert all(c.op == "all_reduce" for c in steps if c.parameter_gradient)
+    ran = Counter((c.phase, c.op) for c in steps if not c.parameter_gradient)
+    assert ran == {
+        ("forward", "reduce_scatter"): 4,
+        ("forward", "all_gather"): 3,
+        ("backward", "all_gather"): 4,
+        ("backward", "reduce_scatter"): 3,
+    }
     assert plan.num_tied > 0  # blocks 1-3 share block 0's decisions
+
+
+def test_mlp_blocks_on_a_2x2_mesh_are_data_parallel_by_megatron() -> None:
+    """The same blocks on a 2x2 mesh with the batch split on axis 0 and broadcast on axis 1
+    (bench/auto_parallel's 2x2 row): data parallel on axis 0 and Megatron on axis 1, the
+    hand layout, not Megatron over all 4 ranks with the batch all-gathered. It needs the
+    search to price the data-parallel gradients as their buckets run (one all_reduce's
+    latency and launch for all of them, not one per parameter)."""
+    model = _mlp_model()
+    placement = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    x = torch.randn(512, 256)
+    plan = sbpflow.auto_parallel(model, placement, x, fixed={0: (split(0), B)})
+
+    def hand(name: str, t: torch.Tensor) -> Any:
+        return (B, _megatron_mlp(name, t))
+
+    assert plan.param_sbp == _hand(hand, model, 2)
+    assert plan.input_sbp == ((split(0), B),)
+    steps = [c for c in plan.collectives() if c.is_collective]
+    assert not [c for c in steps if c.op == "all_gather"]  # the batch stays split on axis 0
+    # the weights' gradients all-reduced on the data axis only (the norms' also on axis 1:
+    # their partial gradient, as in test_an_eager_cost_per_boxing_step_prefers_fewer_steps)
+    assert {c.axes for c in steps if c.parameter_gradient and ".norm." not in c.tensor} == {(0,)}
 
 
 def test_transformer_block_on_a_2x2_mesh_is_megatron_on_the_tensor_axis() -> None:
@@ -175,7 +214,7 @@ def test_a_data_parallel_step_is_predicted_with_its_gradients_bucketed() -> None
     """The 12 gradient all_reduces of the DDP plan (norm, up and down of two blocks) run as
     one bucket (under 1 MiB together): the predicted step counts one collective's latency
     and launch, not twelve; the search's
-    own objective (boxing_seconds) still prices them one by one."""
+    boxing_seconds lists them one by one."""
     from sbpflow.boxing.cost import CostModel
 
     model, x = _wide_batch_mlp()
@@ -371,7 +410,11 @@ def test_an_eager_cost_per_boxing_step_prefers_fewer_steps() -> None:
     bytes as one all_reduce, and save the norms half their compute (sequence parallel).
     Priced by bytes alone (``op_seconds=0``) the plan takes them; with an eager cost per
     boxing step it all-reduces, as the hand layout does, with one boxing step per block and
-    direction, each priced above that cost."""
+    direction, each priced above that cost. Backward, the gradient is all-reduced after the
+    residual add instead of before the norm (its backward runs on the partial gradient):
+    the first block's input needs no gradient, so one activation all_reduce goes, for the
+    norms' parameter gradients all-reduced in one data-parallel bucket (the blocks are tied:
+    both norms)."""
     model = _mlp_model(blocks=2)
     placement = sbpflow.placement("cpu", [0, 1])
     x = torch.randn(512, 256)
@@ -381,7 +424,11 @@ def test_an_eager_cost_per_boxing_step_prefers_fewer_steps() -> None:
     plan = sbpflow.auto_parallel(model, placement, x, fixed={0: B}, compute_model=eager)
     assert "reduce_scatter" in {c.op for c in sequence.collectives()}
     ran = [(c.phase, c.op) for c in plan.collectives() if c.is_collective]
-    assert sorted(ran) == [("backward", "all_reduce")] * 2 + [("forward", "all_reduce")] * 2
+    assert sorted(ran) == [("backward", "all_reduce")] * 5 + [("forward", "all_reduce")] * 2
+    bucketed = sorted(c.tensor for c in plan.collectives() if c.parameter_gradient)
+    assert bucketed == sorted(
+        f"{b}.norm.{w} gradient" for b in range(2) for w in ("weight", "bias")
+    )
     assert plan.param_sbp == _hand(_megatron_mlp, model, 1)
     steps = plan.collectives()
     assert abs(plan.boxing_seconds - sum(c.seconds for c in steps)) <= 1e-9
@@ -404,8 +451,10 @@ def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
     are the same every time (the model is data, passed explicitly)."""
     placement = sbpflow.placement("cpu", [0])
     measured = calibrate_compute(placement, repeats=1)
-    for value in (measured.flops_per_second, measured.bytes_per_second, measured.op_seconds):
-        assert 0 < value < float("inf")
+    square = calibrate_compute(sbpflow.placement("cpu", [[0]]), repeats=1)  # a 2-D mesh
+    for rates in (measured, square):
+        for value in (rates.flops_per_second, rates.bytes_per_second, rates.op_seconds):
+            assert 0 < value < float("inf")
     model = _mlp_model(blocks=2, dim=64, inner=128)
     two = sbpflow.placement("cpu", [0, 1])
     x = torch.randn(64, 64)

@@ -4,14 +4,20 @@ the expected numbers are counted by hand from the model's shapes, not by the pla
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import sbpflow
 from sbpflow.auto_parallel import ComputeModel, reprice
-from sbpflow.boxing.cost import CostModel
-from sbpflow.sbp import broadcast
+from sbpflow.auto_parallel._costs import Prices
+from sbpflow.boxing.calibrate import Sample, _fit
+from sbpflow.boxing.cost import _STEP_OVERHEAD, CostModel, LinkCost
+from sbpflow.nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB
+from sbpflow.sbp import broadcast, partial_sum, split
 from tests.unit.test_auto_parallel import MlpBlock
+
+B, P = broadcast, partial_sum
 
 
 def _model(blocks: int, dim: int = 16, inner: int = 64) -> nn.Module:
@@ -32,6 +38,50 @@ def test_activations_are_the_tensors_the_backward_keeps() -> None:
     block_outputs = blocks * rows * dim  # each read by the next norm, the last by the loss
     want = 4 * (rows * dim + blocks * per_block + block_outputs)  # + the step's input
     assert plan.memory.activations == want
+
+
+class _Quotient(nn.Module):
+    """``x / (lin(x) + 2)`` when ``over`` (the denominator needs a gradient), else
+    ``lin(x) / (|x| + 2)`` (only the numerator does)."""
+
+    def __init__(self, dim: int, over: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.over = over
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.over:
+            return x / (self.lin(x) + 2.0)
+        return self.lin(x) / (x.abs() + 2.0)
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward of ``model(x)``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+def test_a_division_keeps_its_denominator_and_its_numerator_when_the_denominator_trains() -> None:
+    """Autograd's ``div(a, b)`` saves ``b`` for both gradients, and ``a`` for ``b``'s. With
+    ``b = lin(x) + 2`` training, it keeps ``x``, ``b`` and the output (read by the loss);
+    ``lin(x)`` is read by ``add`` only. With ``a = lin(x)`` training and ``b = |x| + 2``
+    not, it keeps ``x`` (``lin``'s weight gradient), ``b`` and the output, not ``a``. The
+    sets are checked against what autograd saves on real tensors too."""
+    rows, dim = 8, 16
+    for over in (True, False):
+        model = _Quotient(dim, over)
+        x = torch.randn(rows, dim)
+        plan = sbpflow.auto_parallel(model, sbpflow.placement("cpu", [0]), x)
+        assert plan.memory.activations == 4 * 3 * rows * dim, over
+        # autograd's saved tensors (no weight: ``x`` needs no gradient), plus the output
+        assert plan.memory.activations == _saved_bytes(model, x) + 4 * rows * dim, over
 
 
 def test_the_predicted_step_counts_the_optimizer_update() -> None:
@@ -98,3 +148,61 @@ def test_default_prices_are_machine_independent_and_reprice_adds_the_eager_cost(
         assert [round(b.seconds - a.seconds, 12) for a, b in zip(steps, apart, strict=True)] == [
             round(6 * op_seconds, 12)
         ] * len(steps)
+
+
+def _slope_and_intercept(prices: Prices, src: tuple, dst: tuple) -> tuple[float, float]:
+    """Seconds per byte of the local block and seconds at zero bytes of boxing ``src -> dst``
+    (two sizes; the alpha-beta price is affine in the bytes)."""
+    small, large = (256, 256), (2048, 2048)
+    t_small = prices.boxing(small, torch.float32, src, dst)[0]
+    t_large = prices.boxing(large, torch.float32, src, dst)[0]
+    slope = (t_large - t_small) / (4 * (2048 * 2048 - 256 * 256))
+    return slope, t_small - slope * 4 * 256 * 256
+
+
+def _calibrated_on_four_ranks() -> CostModel:
+    """The model ``sbpflow.boxing.calibrate`` fits from all_reduces timed on the whole
+    2x2 placement only (4 members), where each took ``20 us * rounds + bytes / 0.8 GB/s``
+    over the ring's bytes: one fit for the placement."""
+    truth = CostModel(LinkCost(20e-6, 0.8e9))
+    samples = [
+        Sample("all_reduce", 4, size, truth.all_reduce(4, size))
+        for size in (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+    ]
+    link = _fit(samples, CostModel.default("gloo").link)
+    return CostModel(link, (("all_reduce", link),))
+
+
+@pytest.mark.parametrize("which", ["default", "calibrated"])
+def test_a_collective_over_the_whole_2x2_mesh_costs_more_than_over_one_axis(which: str) -> None:
+    """A gradient all_reduce over both axes of a 2x2 mesh (4 members) against one over axis 0
+    (2 members): ring bandwidth ``2 (n - 1) / n`` bytes per byte of block (3/2 against 1, or
+    more if the planner chains two all_reduces) and tree latency growing with ``log2 n``
+    (twice the rounds), with the default constants and with one fit of the whole placement."""
+    model = CostModel.default("gloo") if which == "default" else _calibrated_on_four_ranks()
+    no_eager = ComputeModel(100e9, 20e9, 0.0, 0.0, boxing_op_seconds=0.0)
+    prices = Prices(sbpflow.placement("cpu", [[0, 1], [2, 3]]), model, no_eager)
+    one_axis = _slope_and_intercept(prices, (P, B), (B, B))
+    whole = _slope_and_intercept(prices, (P, P), (B, B))
+    assert whole[0] >= 1.5 * one_axis[0] * (1 - 1e-9)
+    latency = one_axis[1] - _STEP_OVERHEAD  # net of the fixed bookkeeping of a step
+    assert latency > 0
+    assert whole[1] - _STEP_OVERHEAD >= 2 * latency * (1 - 1e-9)
+
+
+def test_a_parameter_gradient_all_reduce_is_searched_as_in_a_bucket() -> None:
+    """Into a broadcast parameter, a partial gradient's all_reduce is priced with its bytes
+    and only its share (bytes / bucket cap) of one all_reduce's fixed cost (latency, step
+    overhead, the eager work of a step): the bucket pays that once. Into a split parameter
+    (a reduce_scatter) nothing is bucketed."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    prices = Prices(placement, None, None)
+    shape = (256, 1024)  # 1 MiB of float32
+    alone = prices.boxing(shape, torch.float32, (P,), (B,))[0]
+    searched, axes = prices.gradient_boxing(shape, torch.float32, (P,), (B,))
+    fixed = CostModel.default("gloo").all_reduce(2, 0.0) + ComputeModel.default("cpu").op_seconds
+    sent = 2 * (2 - 1) / 2 * 2**20  # the ring's bytes per rank
+    assert axes == ((0,),)
+    assert searched == pytest.approx(alone - fixed * (1 - sent / (DEFAULT_BUCKET_CAP_MB * 2**20)))
+    sharded = prices.gradient_boxing(shape, torch.float32, (P,), (split(0),))
+    assert sharded == (prices.boxing(shape, torch.float32, (P,), (split(0),))[0], ())
