@@ -152,3 +152,24 @@ def test_a_weight_pass_splits_by_window_and_frees_each_window() -> None:
         raise AssertionError("a freed window's saved tensors were read")
     loss, leaves, saved = _two_windows(True)
     assert not WeightPass([loss], [None], [leaves[0]]).split(saved.window_of)
+
+
+def test_a_window_is_not_split_off_when_a_gradient_nobody_saw_could_be_missing() -> None:
+    """The first stage ends in two pieces of one split, one crossing as it is and one through
+    another op (whose node I does not run): I cannot know the split's gradient for the second
+    piece, and a window freed at its own W could not be run again by the whole backward, so
+    the weight pass is not split by window."""
+    (w1, w2) = _weights(5, 2)
+    saved = SavedTensors()
+    x = torch.randn(4, 6)
+    with saved.hooks():
+        saved.enter(0)
+        a, b = (x @ w1).split(2)
+        b3 = b * 3
+        saved.enter(1)
+        loss = ((a @ w2) ** 2).sum() + ((b3 @ w2) ** 2).sum()
+    weights = WeightPass([loss], [None], [a, b3])
+    assert not weights.split(saved.window_of)
+    with weights:
+        grads = torch.autograd.grad([loss], [a, b3], retain_graph=True)
+    assert not weights.complete(grads)  # what splitting would have run into

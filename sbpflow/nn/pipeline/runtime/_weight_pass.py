@@ -229,7 +229,11 @@ class WeightPass:
 
     def split(self, window_of: Callable[[Node], int | None]) -> bool:
         """Give each group the window its nodes were made in; ``False`` when a group's nodes
-        span several (NOTE [weight pass on several stages] in _workers.py)."""
+        span several (NOTE [weight pass on several stages] in _workers.py), or when
+        ``complete`` could fail: a window is freed at its own W, before I is done, so the
+        whole backward could no longer run when I's gradients turn out incomplete."""
+        if not self._complete_without_hooks():
+            return False
         for group in self.groups:
             nodes = group.intermediates + [n for n in group.branch if not _is_leaf_node(n)]
             windows = {window_of(n) for n in nodes}
@@ -237,6 +241,17 @@ class WeightPass:
                 return False
             group.window = windows.pop()
         return True
+
+    def _complete_without_hooks(self) -> bool:
+        """Whether every gradient ``complete`` fills in is known: of an intermediate I may not
+        run (a crossed tensor's node, an output's), each output some node uses must be one
+        of the tensors I starts or ends at."""
+        ends: dict[Node, set[int]] = collections.defaultdict(set)
+        for t in [*self.inputs, *self.outputs]:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                ends[t.grad_fn].add(t.output_nr)
+        needed = {n for g in self.groups for n in g.intermediates}
+        return all(self._used.get(n, set()) <= ends[n] for n in needed if n in ends)
 
     def run(self, window: int | None = None) -> bool:
         """W: one backward per group, from its intermediates into its weights.

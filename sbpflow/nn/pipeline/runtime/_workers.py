@@ -265,7 +265,7 @@ def run_on_workers(
             mb.release()
         scope.phase = Phase.IDLE
 
-    def weight_pass(task: Task) -> None:  # the whole backward again
+    def rerun_backward(task: Task) -> None:  # the whole backward again
         run_weight_gradients(task.scope.mb)
         task.scope.mb.release()
 
@@ -276,7 +276,7 @@ def run_on_workers(
         return task
 
     mains = [task_for(mb, main_pass, Phase.IDLE) for mb in mbs]
-    weights = [task_for(mb, weight_pass, Phase.WEIGHT) for mb in mbs]
+    weights = [task_for(mb, rerun_backward, Phase.WEIGHT) for mb in mbs]
     hooks = _stage_hooks(stages, held, workers)
     try:
         for index, action in enumerate(todo):
@@ -297,7 +297,7 @@ def run_on_workers(
                             "this rank, but its input pass has not finished: the model's stages "
                             "do not match the schedule's."
                         )
-                    _weight_pass(Action(_W, action.stage, k), mb, transfers, last)
+                    _reused_weight_pass(Action(_W, action.stage, k), mb, transfers, last)
             else:
                 baton.grant(mains[k], action)
             recorder.add(action, start, time.monotonic())
@@ -323,7 +323,9 @@ def run_on_workers(
         baton.abort()
 
 
-def _weight_pass(action: Action, mb: MicroBatch, transfers: StepTransfers, last: bool) -> None:
+def _reused_weight_pass(
+    action: Action, mb: MicroBatch, transfers: StepTransfers, last: bool
+) -> None:
     """W reusing what I computed, on the runtime's thread (NOTE [weight pass on several
     stages])."""
     scope = Scope(mb, transfers)
