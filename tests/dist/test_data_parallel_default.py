@@ -102,9 +102,10 @@ def test_first_bucket_launches_before_backward_reaches_the_first_layer() -> None
         launched = [i for i, e in enumerate(first) if e.startswith("launch")]
         computed = [i for i, e in enumerate(first) if e.startswith("grad")]
         assert len(launched) == 2 and min(launched) > max(computed), first
-        assert [first[i] for i in launched] == [
-            e for e in second if e.startswith("launch")
-        ], (first, second)
+        assert [first[i] for i in launched] == [e for e in second if e.startswith("launch")], (
+            first,
+            second,
+        )
         launches = [i for i, e in enumerate(second) if e.startswith("launch")]
         first_layer = [i for i, e in enumerate(second) if e.startswith("grad layers.0.")]
         assert len(launches) == 2 and first_layer, second
@@ -172,7 +173,9 @@ def accumulation_job(kind: str) -> dict[str, Any]:
         "launches": launches_per_step,
         "norms": norms,
         "grad_errors": grad_errors,
-        "grad_sbps": sorted({sbp_str(p.grad.sbp) for p in model.parameters() if p.grad is not None}),
+        "grad_sbps": sorted(
+            {sbp_str(p.grad.sbp) for p in model.parameters() if p.grad is not None}
+        ),
     }
 
 
@@ -233,14 +236,14 @@ def mesh_job() -> dict[str, Any]:
         launches.append(events)
         traced.append(dict(t.collectives()))
         opt.step()
-    logical = {
-        n: p.to_global(sbp=(B, B)).to_local().detach() for n, p in model.named_parameters()
-    }
+    logical = {n: p.to_global(sbp=(B, B)).to_local().detach() for n, p in model.named_parameters()}
     return {
         "errors": _errors(logical, reference),
         "launches": launches,
         "traced": traced,
-        "grad_sbps": {n: (sbp_str(p.grad.sbp), sbp_str(p.sbp)) for n, p in model.named_parameters()},
+        "grad_sbps": {
+            n: (sbp_str(p.grad.sbp), sbp_str(p.sbp)) for n, p in model.named_parameters()
+        },
     }
 
 
@@ -658,7 +661,6 @@ def test_no_sync_wants_a_module() -> None:
     """no_sync of something else than a module is a TypeError naming what it got."""
     for message in get_pool(2).run(no_sync_misuse_job):
         assert "nn.Module" in message and "str" in message, message
-
 
 
 # -- a dropped model frees its buckets -------------------------------------------------------
