@@ -14,7 +14,14 @@ import torch
 from ._scope import Backward, MicroBatch, Phase, Scope
 from ._weight_pass import WeightPass
 
-__all__ = ["Build", "run_backward", "run_forward", "run_input_gradients", "run_weight_gradients"]
+__all__ = [
+    "Build",
+    "run_backward",
+    "run_forward",
+    "run_input_gradients",
+    "run_stage_weight_gradients",
+    "run_weight_gradients",
+]
 
 Build = Callable[..., Any]
 
@@ -117,21 +124,20 @@ def run_input_gradients(mb: MicroBatch) -> None:
     weights.complete(grads)
 
 
-def run_weight_gradients(mb: MicroBatch, window: int | None = None) -> None:
+def run_stage_weight_gradients(mb: MicroBatch, window: int) -> None:
+    """W of one stage on a rank holding several, not the micro-batch's last: the weight pass
+    of that stage's window only, freeing its saved tensors when none of it is left (NOTE
+    [weight pass on several stages] in _workers.py)."""
+    weights = mb.weight_pass
+    if weights is not None and weights.run(window) and mb.saved is not None:
+        mb.saved.release(window)
+
+
+def run_weight_gradients(mb: MicroBatch) -> None:
     """W: the weight gradients, from the gradients the input pass kept (NOTE [weight pass]
     in _weight_pass.py); or the rest of the backward, replaying what I moved, when it kept
-    none (NOTE [split backward]).
-
-    With ``window`` (on a rank holding several stages: a stage's W, not the micro-batch's
-    last), the weight pass of that stage's window only, freeing its saved tensors when
-    none of it is left (NOTE [weight pass on several stages] in _workers.py).
-    """
-    weights = mb.weight_pass
-    if window is not None:
-        if weights is not None and weights.run(window) and mb.saved is not None:
-            mb.saved.release(window)
-        return
-    mb.weight_pass = None
+    none (NOTE [split backward])."""
+    weights, mb.weight_pass = mb.weight_pass, None
     if weights is not None and weights.completed:
         weights.run()
         return

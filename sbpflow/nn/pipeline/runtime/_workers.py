@@ -69,7 +69,14 @@ from ...._global import GlobalTensor
 from ...._layout import Layout
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind
-from ._passes import Build, run_backward, run_forward, run_input_gradients, run_weight_gradients
+from ._passes import (
+    Build,
+    run_backward,
+    run_forward,
+    run_input_gradients,
+    run_stage_weight_gradients,
+    run_weight_gradients,
+)
 from ._recorder import Recorder
 from ._scope import MicroBatch, Phase, Scope
 from ._stages import Stage
@@ -336,7 +343,7 @@ def _reused_weight_pass(
         context.run(run_weight_gradients, mb)
         mb.release()
     else:
-        context.run(run_weight_gradients, mb, action.stage)
+        context.run(run_stage_weight_gradients, mb, action.stage)
 
 
 def _stage_hooks(stages: Sequence[Stage], held: tuple[int, ...], workers: _Workers) -> list[Any]:
