@@ -55,9 +55,13 @@ def _all_reduced(t: torch.Tensor) -> Floor:
 
 
 def _floor_step(
-    model: nn.Module, ids: Floor, params: list[nn.Parameter], sync: Callable[[], None] | None
+    model: nn.Module,
+    ids: Floor,
+    params: list[nn.Parameter],
+    sync: Callable[[], None] | None,
+    foreach: bool | None,
 ) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -86,7 +90,9 @@ def _check(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
 # -- data parallel -------------------------------------------------------------------------
 
 
-def dp_floor(base: nn.Module, world_ids: torch.Tensor, rank: int) -> Callable[[], None]:
+def dp_floor(
+    base: nn.Module, world_ids: torch.Tensor, rank: int, foreach: bool | None = None
+) -> Callable[[], None]:
     world = dist.get_world_size()
     model = floor_model(base)
     names = [n for n, _ in model.named_parameters()]
@@ -109,7 +115,7 @@ def dp_floor(base: nn.Module, world_ids: torch.Tensor, rank: int) -> Callable[[]
     sync()
     for name, p in zip(names, params, strict=True):
         _check(f"the DP floor's gradient of {name}", p.grad._local, grads[name])
-    return _floor_step(model, ids, params, sync)
+    return _floor_step(model, ids, params, sync, foreach)
 
 
 # -- tensor parallel -----------------------------------------------------------------------
@@ -157,7 +163,9 @@ def _sum_out(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor
     return _SumOverShards.apply(output)
 
 
-def tp_floor(base: nn.Module, ids_plain: torch.Tensor, rank: int) -> Callable[[], None]:
+def tp_floor(
+    base: nn.Module, ids_plain: torch.Tensor, rank: int, foreach: bool | None = None
+) -> Callable[[], None]:
     """Llama split by hand as torchtitan's plan splits it, on ``Floor`` parameters."""
     world = dist.get_world_size()
     local = copy.deepcopy(base)
@@ -187,7 +195,7 @@ def tp_floor(base: nn.Module, ids_plain: torch.Tensor, rank: int) -> Callable[[]
         dim, expected = _shard_dim(name), grads[name]
         expected = expected if dim is None else expected.chunk(world, dim)[rank]
         _check(f"the TP floor's gradient of {name}", p.grad._local, expected)
-    return _floor_step(model, ids, params, None)
+    return _floor_step(model, ids, params, None, foreach)
 
 
 # -- fully sharded -------------------------------------------------------------------------
@@ -264,7 +272,9 @@ class _Unit:
         self.gather()
 
 
-def fsdp_floor(base: nn.Module, world_ids: torch.Tensor, rank: int) -> Callable[[], None]:
+def fsdp_floor(
+    base: nn.Module, world_ids: torch.Tensor, rank: int, foreach: bool | None = None
+) -> Callable[[], None]:
     """Each decoder layer, then the root, fully sharded by hand on ``Floor`` flat shards."""
     world = dist.get_world_size()
     model = floor_model(base)
@@ -291,4 +301,4 @@ def fsdp_floor(base: nn.Module, world_ids: torch.Tensor, rank: int) -> Callable[
         what = f"the FSDP floor's gradient of {prefix or 'the root'}"
         _check(what, unit.shard.grad._local, flat.chunk(world)[rank])
         assert not unit.gathered, "every unit frees its gathered parameter after its backward"
-    return _floor_step(model, ids, params, None)
+    return _floor_step(model, ids, params, None, foreach)

@@ -5,7 +5,9 @@ times; inside a run the variants of a suite are interleaved (every repetition ru
 once, in an order rotating from one repetition to the next, a step's time the slower
 rank's; ``bench/_ranks.interleaved_step_times``). A step is ``zero_grad``, the forward with
 ``labels`` (the library's causal-LM loss), ``backward`` and AdamW's ``step`` (torch's default
-implementation for the parameters' type).
+implementation for the parameters' type: on CPU the per-parameter loop; with ``--adamw
+foreach`` every variant, floor and torch peer alike, passes ``foreach=True``, what torch picks
+by default on CUDA).
 
 Models, from configs built in code (random weights, no download), dropout off, no cache:
 
@@ -54,6 +56,7 @@ Usage (from the repository root)::
     python bench/models/run.py                                 # every suite, 3 runs
     python bench/models/run.py --suites dp-gpt2 --runs 1 --reps 3 --modes eager
     python bench/models/run.py --suites dp-llama,fsdp-llama --modes compiled
+    python bench/models/run.py --suites dp-gpt2 --modes compiled --adamw default,foreach
     python bench/models/run.py --out docs/benchmarks.md
 """
 
@@ -126,8 +129,8 @@ def megatron(name: str, tensor: torch.Tensor) -> Any:
     return split(1) if module in ("o_proj", "down_proj") else broadcast
 
 
-def _step(model: nn.Module, ids: Any) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def _step(model: nn.Module, ids: Any, foreach: bool | None) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -137,7 +140,9 @@ def _step(model: nn.Module, ids: Any) -> Callable[[], None]:
     return step
 
 
-def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], Callable[[], None]]]:
+def _variants(
+    suite: str, rank: int, compiled: bool, foreach: bool | None
+) -> dict[str, Callable[[], Callable[[], None]]]:
     """Per variant, a builder returning its step (built lazily so one failing is reported)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
@@ -155,16 +160,16 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
     if kind == "dp":
 
         def torch_ddp() -> Callable[[], None]:
-            return _step(maybe(DistributedDataParallel(copy.deepcopy(base))), local_ids)
+            return _step(maybe(DistributedDataParallel(copy.deepcopy(base))), local_ids, foreach)
 
         def sbpflow_dp() -> Callable[[], None]:
             model = copy.deepcopy(base).to_global(placement, broadcast)
             ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
-            return _step(maybe(model), ids)
+            return _step(maybe(model), ids, foreach)
 
         out["torch DDP"] = torch_ddp
         if not compiled:
-            out["floor"] = lambda: dp_floor(base, world_ids, rank)
+            out["floor"] = lambda: dp_floor(base, world_ids, rank, foreach)
         out["sbpflow global DP"] = sbpflow_dp
     elif kind == "tp":
         from torch.distributed.tensor.parallel import (
@@ -184,17 +189,17 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
             }
             for layer in model.model.layers:
                 parallelize_module(layer, mesh, plan)
-            return _step(maybe(model), world_ids[:BATCH_PER_RANK])
+            return _step(maybe(model), world_ids[:BATCH_PER_RANK], foreach)
 
         def sbpflow_tp() -> Callable[[], None]:
             model = copy.deepcopy(base).to_global(placement, broadcast)
             model.to_global(placement, megatron)
             ids = world_ids[:BATCH_PER_RANK].to_global(placement, broadcast)
-            return _step(maybe(model), ids)
+            return _step(maybe(model), ids, foreach)
 
         out["DTensor TP"] = dtensor_tp
         if not compiled:
-            out["floor"] = lambda: tp_floor(base, world_ids[:BATCH_PER_RANK], rank)
+            out["floor"] = lambda: tp_floor(base, world_ids[:BATCH_PER_RANK], rank, foreach)
         out["sbpflow TP"] = sbpflow_tp
     else:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -206,7 +211,7 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
             for layer in model.model.layers:
                 torch_fully_shard(layer, mesh=mesh)
             torch_fully_shard(model, mesh=mesh)
-            return _step(maybe(model), local_ids)
+            return _step(maybe(model), local_ids, foreach)
 
         def sbpflow_fsdp() -> Callable[[], None]:
             model = copy.deepcopy(base)
@@ -214,22 +219,24 @@ def _variants(suite: str, rank: int, compiled: bool) -> dict[str, Callable[[], C
                 fully_shard(layer, placement)
             fully_shard(model, placement)
             ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
-            return _step(maybe(model), ids)
+            return _step(maybe(model), ids, foreach)
 
         out["torch fully_shard"] = torch_fsdp
         if not compiled:
-            out["floor"] = lambda: fsdp_floor(base, world_ids, rank)
+            out["floor"] = lambda: fsdp_floor(base, world_ids, rank, foreach)
         out["sbpflow fully_shard"] = sbpflow_fsdp
     del family
     return out
 
 
-def _worker(rank: int, suite: str, compiled: bool, port: int, reps: int, queue: Any) -> None:
+def _worker(
+    rank: int, suite: str, compiled: bool, foreach: bool | None, port: int, reps: int, queue: Any
+) -> None:
     warnings.filterwarnings("ignore")
     join_world(rank, WORLD, port)
     steps: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
-    for name, build in _variants(suite, rank, compiled).items():
+    for name, build in _variants(suite, rank, compiled, foreach).items():
         try:
             steps[name] = build()
             steps[name]()  # the first step: compiles, and surfaces a failure before timing
@@ -249,11 +256,13 @@ def _worker(rank: int, suite: str, compiled: bool, port: int, reps: int, queue: 
     dist.barrier()
 
 
-def _one_run(suite: str, compiled: bool, reps: int) -> tuple[dict[str, float], dict[str, str]]:
+def _one_run(
+    suite: str, compiled: bool, foreach: bool | None, reps: int
+) -> tuple[dict[str, float], dict[str, str]]:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
         _worker,
-        args=(suite, compiled, free_port(), reps, queue),
+        args=(suite, compiled, foreach, free_port(), reps, queue),
         nprocs=WORLD,
         start_method="spawn",
     )
@@ -269,14 +278,22 @@ def main() -> None:
     parser.add_argument(
         "--modes", default="eager,compiled", help="eager, compiled or both (comma-separated)"
     )
+    parser.add_argument(
+        "--adamw",
+        default="default",
+        help="AdamW's implementation: default (torch's choice for the parameters' type: the "
+        "per-parameter loop on CPU), foreach, or both (comma-separated)",
+    )
     parser.add_argument("--out", type=Path, help="write the results into this file's section")
     args = parser.parse_args()
     modes = ["eager"] if args.eager_only else args.modes.split(",")
-    unknown = set(modes) - {"eager", "compiled"}
+    adamws = args.adamw.split(",")
+    unknown = set(modes) - {"eager", "compiled"} | set(adamws) - {"default", "foreach"}
     if unknown or set(args.suites.split(",")) - set(SUITES):
         parser.error(
-            f"--modes takes eager and/or compiled and --suites some of {','.join(SUITES)} "
-            f"(comma-separated); got --modes {args.modes} --suites {args.suites}"
+            f"--modes takes eager and/or compiled, --adamw default and/or foreach, and "
+            f"--suites some of {','.join(SUITES)} (comma-separated); got --modes {args.modes} "
+            f"--adamw {args.adamw} --suites {args.suites}"
         )
     load = os.getloadavg()[0]
     lines = [
@@ -285,7 +302,7 @@ def main() -> None:
         "",
         f"Machine: `{machine()}`; {WORLD} gloo ranks, one thread each; load average "
         f"{load:.1f} at start. `python bench/models/run.py --runs {args.runs} --reps "
-        f"{args.reps}`: GPT-2 (4 layers, 256 wide) and Llama (4 layers, hidden 256, "
+        f"{args.reps} --adamw {args.adamw}`: GPT-2 (4 layers, 256 wide) and Llama (4 layers, hidden 256, "
         f"intermediate 1024, GQA), seq {SEQ}, {BATCH_PER_RANK} sequences per rank, AdamW; "
         f"median step time (ms) of each run, then the median of the {args.runs} runs' medians; "
         "ratio: the variant's over the torch peer's (first row of each group); / floor: the "
@@ -296,12 +313,18 @@ def main() -> None:
         "|---|---|---|---|---:|---:|---:|---|",
     ]
     for suite in args.suites.split(","):
-        for compiled in [m == "compiled" for m in ("eager", "compiled") if m in modes]:
+        for compiled, foreach in [
+            (m == "compiled", a == "foreach")
+            for m in ("eager", "compiled")
+            if m in modes
+            for a in ("default", "foreach")
+            if a in adamws
+        ]:
             runs, loads = [], []
             for _ in range(args.runs):
                 loads.append(f"{os.getloadavg()[0]:.1f}")
-                runs.append(_one_run(suite, compiled, args.reps))
-            mode = "compiled" if compiled else "eager"
+                runs.append(_one_run(suite, compiled, foreach or None, args.reps))
+            mode = ("compiled" if compiled else "eager") + (", foreach AdamW" if foreach else "")
             names = list(dict.fromkeys(n for times, errors in runs for n in [*times, *errors]))
             per_run = {n: [times[n] for times, _ in runs if n in times] for n in names}
             middles = {n: statistics.median(t) for n, t in per_run.items() if t}
