@@ -429,7 +429,9 @@ a V for zbv), m = {", ".join(map(str, _real.V_MICROBATCHES))}, under sbpflow and
 `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble`
 (`PipelineStage`, `loss_fn=mse_loss`). Every variant runs interleaved in one run
 ({args.real_reps} steps each after two warmups, a step timed as the slowest rank's), {args.runs}
-fresh runs.
+fresh runs. Filling a bubble needs the core the waiting rank leaves idle: on a host whose
+cores other processes keep busy, the fill saves nothing and the split's extra host work shows,
+so these rows mean something only on an idle machine (load average below).
 
 {out["bubble"]}
 {SECTION_END}"""
