@@ -47,15 +47,22 @@ from sbpflow.sbp import broadcast
 WIDTH, LAYERS, BATCH, M = 1024, 4, 256, 8
 SCHEDULES = ("gpipe", "1f1b")
 SPLIT_SCHEDULES = ("1f1b", "zero_bubble")  # part 4
+# Part 5: micro-batch counts of 2 stages, and of 4 stages on 2 ranks (each half as deep).
+BUBBLE_MICROBATCHES, V_MICROBATCHES = (2, 4, 8), (4, 8)
+V_SCHEDULES = {  # sbpflow's schedule: (its stages' ranks, torch's schedule of the same order)
+    "interleaved_1f1b": ([0, 1, 0, 1], "ScheduleInterleaved1F1B"),
+    "interleaved_zero_bubble": ([0, 1, 0, 1], "ScheduleInterleavedZeroBubble"),
+    "zbv": ([0, 1, 1, 0], "ScheduleZBVZeroBubble"),
+}
 # Per action kind, its CPU time and the part of it in transfers ("moves", part 3 only); I
 # and W are the halves of a split backward (part 4 only).
 KINDS = ("F", "B", "F moves", "B moves", "I", "W")
 
 
-def stage_module(seed: int) -> nn.Sequential:
+def stage_module(seed: int, num_layers: int = LAYERS) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for _ in range(LAYERS):
+    for _ in range(num_layers):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     return nn.Sequential(*layers)
 
@@ -110,15 +117,27 @@ class _TransferCpu:
         return undo
 
 
-def _sbp_graph(schedule: str, num_stages: int, first_rank: int = 0) -> tuple[Any, tuple[Any, Any]]:
-    """The pipeline of ``num_stages`` stages, one per rank from ``first_rank`` on, and its batch."""
-    placements = [sbpflow.placement("cpu", [first_rank + r]) for r in range(num_stages)]
-    model = Chain([stage_module(s) for s in range(num_stages)])
+def _sbp_graph(
+    schedule: str,
+    num_stages: int,
+    first_rank: int = 0,
+    m: int = M,
+    ranks: list[int] | None = None,
+) -> tuple[Any, tuple[Any, Any]]:
+    """The pipeline of ``num_stages`` stages, one per rank from ``first_rank`` on (or stage i on
+    ``ranks[i]``, each ``LAYERS * 2 // len(ranks)`` layers), and its batch of ``m``
+    micro-batches of ``BATCH // M`` rows."""
+    if ranks is None:
+        ranks, layers = [first_rank + r for r in range(num_stages)], LAYERS
+    else:
+        layers = LAYERS * 2 // len(ranks)  # the same model, cut into more stages
+    placements = [sbpflow.placement("cpu", [r]) for r in ranks]
+    model = Chain([stage_module(s, layers) for s in range(len(ranks))])
     for stage, placement in zip(model.stages, placements, strict=True):
         stage.to_global(placement, broadcast)
     torch.manual_seed(100)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    graph = StepGraph(model, placements, schedule, M)
+    x, y = torch.randn(BATCH // M * m, WIDTH), torch.randn(BATCH // M * m, WIDTH)
+    graph = StepGraph(model, placements, schedule, m)
     return graph, (x.to_global(placements[0], broadcast), y.to_global(placements[-1], broadcast))
 
 
@@ -285,6 +304,54 @@ def worker_weight_pass(rank: int, world: int, port: int, reps: int, queue: Any) 
     dist.all_gather_object(gathered, results)
     if rank == 0:
         queue.put(gathered)
+    dist.barrier()
+
+
+def _torch_stages_step(cls_name: str, ranks: list[int], m: int, rank: int) -> Callable[[], None]:
+    """torch's ``PipelineStage``s of this rank (stage i on ``ranks[i]``) under schedule
+    ``cls_name``, the model and batch of ``_sbp_graph`` with the same ``ranks`` and ``m``."""
+    from torch.distributed import pipelining
+
+    layers = LAYERS * 2 // len(ranks)
+    ids = [i for i, r in enumerate(ranks) if r == rank]
+    modules = [stage_module(i, layers) for i in ids]
+    stages = [
+        pipelining.PipelineStage(module, i, len(ranks), torch.device("cpu"))
+        for module, i in zip(modules, ids, strict=True)
+    ]
+    pipe = getattr(pipelining, cls_name)(stages, n_microbatches=m, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD([p for module in modules for p in module.parameters()], lr=1e-3)
+    torch.manual_seed(100)
+    x, y = torch.randn(BATCH // M * m, WIDTH), torch.randn(BATCH // M * m, WIDTH)
+    args = (x,) if 0 in ids else ()
+    kwargs: dict[str, Any] = {"target": y, "losses": []} if len(ranks) - 1 in ids else {}
+
+    def step() -> None:
+        pipe.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def worker_bubble(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
+    """Part 5: step times of 1f1b and zero_bubble on 2 stages for each count in
+    ``BUBBLE_MICROBATCHES``, and of the schedules of ``V_SCHEDULES`` on 4 stages (sbpflow and
+    torch) for each count in ``V_MICROBATCHES``, interleaved in one run."""
+    join_world(rank, world, port)
+    steps: dict[str, Callable[[], None]] = {}
+    for m in BUBBLE_MICROBATCHES:
+        for schedule in SPLIT_SCHEDULES:
+            graph, batch = _sbp_graph(schedule, 2, m=m)
+            steps[f"sbpflow {schedule} 2 m={m}"] = lambda g=graph, b=batch: g(*b)
+    for m in V_MICROBATCHES:
+        for schedule, (ranks, torch_name) in V_SCHEDULES.items():
+            graph, batch = _sbp_graph(schedule, 4, m=m, ranks=ranks)
+            steps[f"sbpflow {schedule} 4 m={m}"] = lambda g=graph, b=batch: g(*b)
+            steps[f"torch {schedule} 4 m={m}"] = _torch_stages_step(torch_name, ranks, m, rank)
+    results = _interleaved(steps, reps, {})
+    if rank == 0:
+        queue.put({name: r["times"] for name, r in results.items()})
     dist.barrier()
 
 

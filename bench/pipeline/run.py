@@ -19,12 +19,19 @@ Part 4 (bench/pipeline/_real.py): the stages of part 2 under ``1f1b`` and ``zero
 interleaved: host CPU per B against per I and W of the split backward (target: I + W within
 10% of B, the weight pass reusing what the input pass computed), and the step times.
 
+Part 5 (bench/pipeline/_real.py): where the bubble matters. ``1f1b`` against ``zero_bubble`` on
+the stages of part 2 with 2, 4 and 8 micro-batches, and the same layers as 4 stages on 2 ranks
+under ``interleaved_1f1b``, ``interleaved_zero_bubble`` and ``zbv`` against torch's
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble``,
+all interleaved in one run: step times (median of ``--runs`` runs), each against its 1F1B.
+
 Usage (from the repository root)::
 
     python bench/pipeline/run.py                          # print the tables
     python bench/pipeline/run.py --out docs/benchmarks.md # also write the section and the SVGs
     python bench/pipeline/run.py --parts 2 --runs 1       # one quick run of part 2
     python bench/pipeline/run.py --parts 4 --runs 1       # one quick run of part 4
+    python bench/pipeline/run.py --parts 5 --runs 3       # zero bubble against 1F1B by m
 """
 
 from __future__ import annotations
@@ -226,12 +233,45 @@ def part4(reps: int, runs: int) -> tuple[str, list[str]]:
     return table, misses
 
 
+def part5(reps: int, runs: int) -> str:
+    """Per configuration and schedule: the median step of each run (load average at its
+    start), the median of the runs, and its ratio to the configuration's baseline (1f1b, or
+    interleaved_1f1b on 4 stages) of the same implementation."""
+    loads, medians = [], []
+    for _ in range(runs):
+        loads.append(_load())
+        times = _spawn(_real.worker_bubble, 2, reps)
+        medians.append({name: statistics.median(t) * 1e3 for name, t in times.items()})
+    mid = {name: statistics.median(run[name] for run in medians) for name in medians[0]}
+    lines = []
+    for name in medians[0]:
+        who, schedule, stages, m = name.split()
+        base = f"{who} {'1f1b' if stages == '2' else 'interleaved_1f1b'} {stages} {m}"
+        label = _real.V_SCHEDULES[schedule][1] if who == "torch" else schedule
+        lines.append(
+            f"| {stages} | {m[2:]} | {who} `{label}` | "
+            + " / ".join(f"{run[name]:.1f}" for run in medians)
+            + f" | {mid[name]:.1f} | **{mid[name] / mid[base]:.3f}** |"
+        )
+    load_text = "; ".join(f"run {i + 1}: {load}" for i, load in enumerate(loads))
+    return "\n".join(
+        [
+            "| stages (on 2 ranks) | micro-batches m | schedule | step ms, each run's median | "
+            "median of the runs | / the 1F1B of its stages |",
+            "|---|---|---|---|---|---|",
+            *lines,
+            "",
+            f"Load average at the start of each run: {load_text}; at the end: {_load()}.",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed steps per row of part 1")
     parser.add_argument("--real-reps", type=int, default=9, help="steps per variant, parts 2-3")
     parser.add_argument("--runs", type=int, default=3, help="fresh runs of parts 2 and 3")
-    parser.add_argument("--parts", default="1,2,3,4")
+    parser.add_argument("--parts", default="1,2,3,4,5")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -264,9 +304,12 @@ def main() -> None:
             if out["split_misses"]
             else "part 4 on target: I + W within 10% of B on every rank"
         )
+    if 5 in parts:
+        out["bubble"] = part5(args.real_reps, args.runs)
+        print(out["bubble"])
     if args.out is not None:
-        if parts != {1, 2, 3, 4}:
-            raise SystemExit("--out writes the whole section: run every part (--parts 1,2,3,4).")
+        if parts != {1, 2, 3, 4, 5}:
+            raise SystemExit("--out writes the whole section: run every part (--parts 1,2,3,4,5).")
         (args.out.parent / SVG_TIMED).write_text(out["timed_record"].svg())
         (args.out.parent / SVG_REAL).write_text(out["real_record"].svg())
         write_section(args.out, _section(where, out, args), SECTION_START, SECTION_END)
@@ -372,6 +415,25 @@ from the gradients the input pass kept where each weight's gradient branches off
 {out["split"]}
 
 {verdict4}
+
+**5. Where the bubble matters: zero bubble against 1F1B by micro-batch count.** With one stage
+per rank, 1F1B and ZB-H1 (`zero_bubble`) run the same steady state: the last stage computes
+F + B per micro-batch without a pause in both, and sets the pace. ZB-H1 gains only in the fill
+and the drain, where its deferred weight passes fill 1F1B's idle time: on 2 ranks, one
+backward of the first stage (2 units of F = I = W in (m + 1) x 3 of 1F1B's step), a share
+that shrinks as m grows, while splitting the backward costs a little on every micro-batch of
+the last stage (part 4). The same 2 stages as part 2, micro-batches of
+{_real.BATCH // _real.M} rows, for m = {", ".join(map(str, _real.BUBBLE_MICROBATCHES))}; and
+the same 8 layers cut into 4 stages of {_real.LAYERS // 2} on the 2 ranks (round-robin, or as
+a V for zbv), m = {", ".join(map(str, _real.V_MICROBATCHES))}, under sbpflow and under torch's
+`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble`
+(`PipelineStage`, `loss_fn=mse_loss`). Every variant runs interleaved in one run
+({args.real_reps} steps each after two warmups, a step timed as the slowest rank's), {args.runs}
+fresh runs. Filling a bubble needs the core the waiting rank leaves idle: on a host whose
+cores other processes keep busy, the fill saves nothing and the split's extra host work shows,
+so these rows mean something only on an idle machine (load average below).
+
+{out["bubble"]}
 {SECTION_END}"""
 
 

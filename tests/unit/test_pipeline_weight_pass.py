@@ -1,6 +1,6 @@
 """The weight half of a split backward (NOTE [weight pass] in
 sbpflow/nn/pipeline/runtime/_weight_pass.py), on plain torch graphs in one process: the input
-half ``torch.autograd.grad`` into the "crossed" tensors, then ``WeightPass.run``, must give
+half ``torch.autograd.grad`` into the "crossed" tensors, then ``WeightPass.run_all``, must give
 every weight exactly the gradient of one whole ``backward``, running again, of the nodes the
 input half ran, only those where a weight's gradient branches off."""
 
@@ -75,7 +75,7 @@ def _split(graph: Graph) -> tuple[list[torch.Tensor], int]:
     ran_before = set(ran_in_input)
     ran_in_input.clear()
     intermediates = {n for group in weights.groups for n in group.intermediates}
-    weights.run()
+    weights.run_all()
     for handle in handles:
         handle.remove()
     return [t.grad for t in leaves], len(ran_before & ran_in_input - intermediates)
@@ -139,10 +139,12 @@ def test_a_weight_pass_splits_by_window_and_frees_each_window() -> None:
     with weights:
         grads = torch.autograd.grad([loss], [x], retain_graph=True)
     assert weights.complete(grads)
-    assert weights.run(1)  # the second stage's W
+    assert not weights.any_run
+    assert weights.run_window(1)  # the second stage's W
+    assert weights.any_run and not any(t is w2 for t in weights.weights())  # w2's group ran
     assert w1.grad is None and torch.equal(w2.grad, want[2])
     saved.release(1)
-    weights.run()  # the last W: what is left
+    weights.run_all()  # the last W: what is left
     assert torch.equal(w1.grad, want[1])
     try:
         torch.autograd.grad([loss], [w2], retain_graph=True)

@@ -129,7 +129,7 @@ def run_stage_weight_gradients(mb: MicroBatch, window: int) -> None:
     of that stage's window only, freeing its saved tensors when none of it is left (NOTE
     [weight pass on several stages] in _workers.py)."""
     weights = mb.weight_pass
-    if weights is not None and weights.run(window) and mb.saved is not None:
+    if weights is not None and weights.run_window(window) and mb.saved is not None:
         mb.saved.release(window)
 
 
@@ -139,12 +139,12 @@ def run_weight_gradients(mb: MicroBatch) -> None:
     none (NOTE [split backward])."""
     weights, mb.weight_pass = mb.weight_pass, None
     if weights is not None and weights.completed:
-        weights.run()
+        weights.run_all()
         return
     retain = any(bw.retain_graph for bw in mb.backwards)
     outputs = [bw.tensor for bw in mb.backwards]
     gradients = [bw.gradient for bw in mb.backwards]
-    if weights is None or weights.ran_none:
+    if weights is None or not weights.any_run:
         torch.autograd.backward(outputs, gradients, retain_graph=retain)
     else:  # the groups run so far are done: the other groups' weights only
         left = weights.weights()

@@ -168,8 +168,8 @@ class WeightPass:
         self._kept: dict[Node, tuple[Any, ...]] = {}
         self._handles: list[Any] = []
         self._replaying = False
+        self._num_groups = len(self.groups)
         self.completed = False  # I is done and every group's gradients are known
-        self.ran_none = True  # no group has run yet
 
     def _node_of(self, t: Any) -> Node | None:
         if not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -253,31 +253,37 @@ class WeightPass:
         needed = {n for g in self.groups for n in g.intermediates}
         return all(self._used.get(n, set()) <= ends[n] for n in needed if n in ends)
 
-    def run(self, window: int | None = None) -> bool:
-        """W: one backward per group, from its intermediates into its weights.
-
-        With ``window``, only the groups of that window whose intermediates I has already
-        run (NOTE [weight pass on several stages] in _workers.py); returns whether none of
-        that window is left.
-        """
+    def run_window(self, window: int) -> bool:
+        """W of one stage on a rank holding several: the groups of ``window`` whose
+        intermediates I has already run (NOTE [weight pass on several stages] in
+        _workers.py); returns whether none of that window is left."""
         done = True
-        for group in list(self.groups):
-            if window is not None:
-                if group.window != window:
-                    continue
-                if not all(isinstance(self._kept.get(n), tuple) for n in group.intermediates):
-                    done = False
-                    continue
-            self.groups.remove(group)
-            self.ran_none = False
-            self._run_group(group)
-        if not self.groups:
-            self._kept = {}
+        for group in [g for g in self.groups if g.window == window]:
+            if all(isinstance(self._kept.get(n), tuple) for n in group.intermediates):
+                self._run(group)
+            else:
+                done = False
         return done
+
+    def run_all(self) -> None:
+        """W: one backward per group left, from its intermediates into its weights."""
+        for group in list(self.groups):
+            self._run(group)
+
+    @property
+    def any_run(self) -> bool:
+        """Whether some group has run (its weights have their gradients)."""
+        return len(self.groups) < self._num_groups
 
     def weights(self) -> list[torch.Tensor]:
         """The weights of the groups not run yet."""
         return [_variable(node) for group in self.groups for node in group.weights]
+
+    def _run(self, group: _Group) -> None:
+        self.groups.remove(group)
+        self._run_group(group)
+        if not self.groups:
+            self._kept = {}
 
     def _run_group(self, group: _Group) -> None:
         kept = self._kept
