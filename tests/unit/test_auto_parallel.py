@@ -399,8 +399,9 @@ def test_boundaries_box_a_blocks_output_where_the_plan_reads_it() -> None:
         assert down.grad_sbp == (B,) and down.shape == (512, 256)
     follow(model, placement, plan.boundaries)
     hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    # one hook per module input and output laid out, and the root's pruning pre-hook
-    assert hooked == len({(b.module, b.where) for b in plan.boundaries}) + 1
+    # one hook per module input and output laid out, the root's pruning pre-hook, and the
+    # root's pair that follows the plan op by op while its forward runs
+    assert hooked == len({(b.module, b.where) for b in plan.boundaries}) + 3
     unfollow(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
