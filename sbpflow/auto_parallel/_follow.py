@@ -193,16 +193,24 @@ class _Ops:
             if entry[0] != name:
                 continue
             if shapes is None:
-                shapes = _shapes((args, kwargs))
+                shapes = _shapes(args, kwargs.values())
             if entry[1] == shapes:
                 self.cursor = j + 1
                 return entry[2]
         return None
 
 
-def _shapes(value: Any) -> tuple[Any, ...]:
-    """The shapes of the tensor leaves of ``value``, as ``tree_flatten`` orders them."""
-    return tuple(leaf.shape for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
+def _shapes(*groups: Any) -> tuple[Any, ...]:
+    """The shapes of the tensor arguments of a call (its args, its kwargs' values), as
+    ``tree_flatten`` orders them (an ATen call nests tensors in lists one level deep)."""
+    found = []
+    for group in groups:
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                found.append(a.shape)
+            elif type(a) is list or type(a) is tuple:
+                found += [t.shape for t in a if isinstance(t, torch.Tensor)]
+    return tuple(found)
 
 
 def follow(

@@ -116,6 +116,14 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         error = (whole - want_p.detach()).abs().max().item()
         if error > _TOL:
             errors[name] = error
+    # another batch size than the plan's: no call is the captured one, propagation lays out
+    # the step as without a plan, and the values still equal one process
+    short = x[: rows // 4]
+    gshort = short.to_global(placement, broadcast).to_global(sbp=plan.input_sbp[0])
+    got_short = model(gshort).to_global(sbp=broadcast).to_local().detach()
+    error = (got_short - reference(short).detach()).abs().max().item()
+    if error > _TOL:
+        errors["another batch size"] = error
     predicted = Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective)
     # a parameter's gradient reduced alone in the plan; buckets may fuse several (step 2 on)
     parameter_reductions = sum(
