@@ -266,7 +266,10 @@ class OpDispatcher:
                 )
                 if not _functional.traced(g._local):  # compiled: no stack inspection at run time
                     _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # timeouts
-                local_flat[i] = _boxed_input(g, layout, planned)._local
+                if id(g) in mutated:  # the fallback writes into the boxed piece
+                    local_flat[i] = box_below_autograd(g, layout)._local
+                else:
+                    local_flat[i] = _boxed_input(g, layout, planned)._local
             else:
                 local_flat[i] = g._local
             if id(g) in mutated:

@@ -38,10 +38,11 @@ planned layouts.
 # plan's: it propagates as without a plan, and the cursor stays. Propagation takes a
 # planned strategy only where the op's rule offers it, so a call matched to the wrong op
 # still computes the right value; only its boxing may differ from the plan.
-# The backward follows through the forward's layouts: an input boxed for a planned op gets
-# its gradient boxed back (NOTE [gradient plan]), once, before the op's backward reads it,
-# as the plan prices it; captured ``sdpa`` (one fused call) and ops with no rule are left
-# to propagation.
+# The backward follows through the forward's layouts: an input a planned op boxed gets its
+# gradient boxed back (NOTE [gradient plan]), and the op's backward finds the input boxed
+# already (NOTE [boxed once for the backward] in sbpflow/_dispatch.py), as the plan prices
+# it. Captured ``sdpa`` (one fused call, several ATen ops at run time) and ops with no rule
+# are left to propagation.
 """
 
 from __future__ import annotations
