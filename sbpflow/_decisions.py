@@ -14,10 +14,18 @@
 # the outputs. An op with no rule gets ``Decision.fallback``: every input
 # broadcast, outputs broadcast as the op computes them, inputs the op writes into
 # written back; the same runner runs it.
+#
+# A plan being followed (``FOLLOWING``, set while a model whose plan was applied runs its
+# forward; NOTE [following the plan] in auto_parallel/_follow.py) may name the layouts
+# of a call (a ``Planned``, NOTE [planned strategies] in _propagation). The planned
+# layouts are part of the call's key: the same op on the same layouts may be planned
+# otherwise elsewhere in the step, or not planned at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +35,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _global
 from ._bounded import BoundedDict
 from ._layout import Layout
-from ._propagation import NO_GRADIENT_PLAN, GradientPlan, choose
+from ._propagation import NO_GRADIENT_PLAN, GradientPlan, Planned, choose
 from .ops._registry import FloatArg, OpInfo, Registered, Strategy, TensorMeta
 from .placement import Placement
 from .sbp import Broadcast
 
-__all__ = ["DECISIONS_BOUND", "Decision", "Propagator", "call_key", "run_meta_kernel"]
+__all__ = [
+    "DECISIONS_BOUND",
+    "FOLLOWING",
+    "Decision",
+    "Propagator",
+    "call_key",
+    "run_meta_kernel",
+]
+
+# The plan being followed in this context: called with a call's ``(func, args, kwargs)``, it
+# returns the call's ``Planned`` layouts or None (NOTE [decide, then run]).
+FOLLOWING: ContextVar[Callable[[Any, tuple, dict], Planned | None] | None] = ContextVar(
+    "sbpflow_following", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -69,12 +90,19 @@ class Decision:
         return Decision((full,) * num_inputs, (), (), (), (), fallback=full)
 
 
-def call_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fold_floats: bool) -> Any:
+def call_key(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fold_floats: bool,
+    planned: Planned | None = None,
+) -> Any:
     """The one key of a call: the op, each global input's interned metadata (NOTE [interned
     metadata] in _global), plain tensors' shape and dtype, and the other arguments with their
     types (1, 1.0 and True are equal keys otherwise). With ``fold_floats`` a float argument
     enters only as ``float`` (a learning rate changes every step), which serves as long as
     the rule reads no float argument (NOTE [rules]); floats inside lists are always exact.
+    ``planned``: the layouts a followed plan gives the call, if any.
 
     Looking the key up raises ``TypeError`` when an argument is not hashable (then nothing
     is cached); it is not hashed here, as the lookup hashes it.
@@ -101,6 +129,8 @@ def call_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fold_floa
             parts += (name, _tensor_part(a))
         else:
             parts += (name, type(a), a)
+    if planned is not None:
+        parts += (Planned, planned)
     return tuple(parts)
 
 
@@ -180,30 +210,32 @@ class Propagator:
         spec: Any,
         placement: Placement,
         kept: list[int],
+        planned: Planned | None = None,
     ) -> Decision | None:
         """The call's decision, cached under ``call_key``; None when no strategy keeps the
-        ``kept`` inputs' layouts (written in place: the caller falls back).
+        ``kept`` inputs' layouts (written in place: the caller falls back). ``planned``: the
+        layouts a followed plan gives the call (NOTE [planned strategies] in _propagation).
 
         ``args``/``kwargs`` are the call as made (its key); ``flat``/``spec`` its flattened
         arguments as the rule sees them (plain tensors joined as broadcast globals), with
         global tensors replaced by their ``Meta`` (``metadata_of``).
         """
         try:
-            key = folded = call_key(func, args, kwargs, fold_floats=True)
+            key = folded = call_key(func, args, kwargs, True, planned)
             decision = self.decisions.get(key, _UNDECIDED)
             if decision is _READS_FLOATS:  # the rule reads float arguments: key them by value
-                key = call_key(func, args, kwargs, fold_floats=False)
+                key = call_key(func, args, kwargs, False, planned)
                 decision = self.decisions.get(key, _UNDECIDED)
         except TypeError:  # an unhashable argument: decided every time
             key = folded = None
             decision = _UNDECIDED
         if decision is not _UNDECIDED:
             return decision
-        decision, read_floats = self.decide(registered, func, flat, spec, placement, kept)
+        decision, read_floats = self.decide(registered, func, flat, spec, placement, kept, planned)
         if key is not None:
             if read_floats and key is folded:
                 self.decisions[folded] = _READS_FLOATS
-                key = call_key(func, args, kwargs, fold_floats=False)
+                key = call_key(func, args, kwargs, False, planned)
             self.decisions[key] = decision
         return decision
 
@@ -220,9 +252,10 @@ class Propagator:
         spec: Any,
         placement: Placement,
         kept: list[int],
+        planned: Planned | None = None,
     ) -> tuple[Decision | None, bool]:
         """The op's strategy (``_propagation.choose``); ``kept`` inputs (written in place)
-        must keep their layout.
+        must keep their layout; ``planned`` layouts are taken where the rule offers them.
 
         ``None`` when no strategy keeps them (the caller falls back). Also whether the
         rule read a float argument (then the decision holds for those values only).
@@ -263,7 +296,13 @@ class Propagator:
                     )
             per_axis.append(strategies)
         current = [meta.layout for meta in metas]
-        choice = choose(per_axis, placement, current, inputs, output_metas, kept)
+        wanted = None
+        if planned is not None:
+            # the plan names every tensor argument; the rule sees the global ones
+            leaves = [i for i, a in enumerate(flat) if isinstance(a, (Meta, torch.Tensor))]
+            if len(leaves) == len(planned.inputs) and len(planned.outputs) <= len(output_metas):
+                wanted = ([planned.inputs[leaves.index(i)] for i in positions], planned.outputs)
+        choice = choose(per_axis, placement, current, inputs, output_metas, kept, wanted)
         read_floats = any(
             type(a) is FloatArg and a.read for a in (*info_args, *info_kwargs.values())
         )

@@ -28,6 +28,17 @@
 #    ``sbpflow.boxing.trace().fallbacks`` records it).
 # Boxing here is not differentiable: dispatch runs below autograd, which
 # differentiates the op itself through its backward formula (more ops).
+#
+# NOTE [boxed once for the backward]
+# Autograd saves an op's inputs as they were passed, before dispatch boxes them: an
+# activation gathered for a matmul is saved split, and the matmul's backward gathers it
+# again. A plan (``sbpflow.auto_parallel``) prices the backward of an op on the inputs it
+# was boxed to, once. So where an op takes a followed plan's strategy (NOTE [planned
+# strategies] in _propagation), each non-leaf input it boxes keeps its boxed copy (in its
+# ``__dict__``, as long as the tensor lives and is not written into), and the next op, of
+# the forward or the backward, needing the tensor in that layout takes the copy instead of
+# boxing again: a value computed once, communicated once. Parameters (leaves) keep none:
+# a sharded weight stays sharded between steps.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _global, _rng
 from . import ops as _rule_families  # noqa: F401  (importing it registers every family)
 from ._bounded import BoundedDict
-from ._decisions import Decision, Propagator, call_key, metadata_of, run_meta_kernel
+from ._decisions import FOLLOWING, Decision, Propagator, call_key, metadata_of, run_meta_kernel
 from ._devices import move_to_device
 from ._gradient_hooks import apply_gradient_plan
 from ._layout import Layout
@@ -106,11 +117,13 @@ class OpDispatcher:
             out = handler(func, args, kwargs)
             if out is not NotImplemented:  # NotImplemented: the general path below
                 return out
-        key = call_key(func, args, kwargs, fold_floats=True)
+        following = FOLLOWING.get()
+        planned = None if following is None else following(func, args, kwargs)
+        key = call_key(func, args, kwargs, True, planned)
         try:
             fast = self.fast.get(key)
             if fast is _BY_VALUE:  # its rule read a float argument (NOTE [fast path])
-                key = call_key(func, args, kwargs, fold_floats=False)
+                key = call_key(func, args, kwargs, False, planned)
                 fast = self.fast.get(key)
         except TypeError:  # an unhashable argument: no fast entry
             key = fast = None
@@ -125,16 +138,29 @@ class OpDispatcher:
         decomposition = _registry.lookup_decomposition(func)
         if decomposition is not None:
             key = None  # whether it applies may depend on more than the key: no fast entry
-            out = decomposition(func, args, kwargs)
+            if following is None:
+                out = decomposition(func, args, kwargs)
+            else:
+                token = FOLLOWING.set(None)  # the ops it calls are no ops of the plan's
+                try:
+                    out = decomposition(func, args, kwargs)
+                finally:
+                    FOLLOWING.reset(token)
             if out is not NotImplemented:  # NotImplemented: the rule handles this case
                 return out
         registered = _registry.lookup(func)
         if registered is None:
             return self.fallback(func, args, kwargs)
-        return self._run_rule(registered, func, args, kwargs, key)
+        return self._run_rule(registered, func, args, kwargs, key, planned)
 
     def _run_rule(
-        self, registered: _registry.Registered, func: Any, args: tuple, kwargs: dict, key: Any
+        self,
+        registered: _registry.Registered,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        key: Any,
+        planned: Any = None,
     ) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         placement = _common_placement(func, flat)
@@ -161,15 +187,25 @@ class OpDispatcher:
         positions = [i for i, a in enumerate(flat) if isinstance(a, gt)]
         kept = [k for k, i in enumerate(positions) if id(flat[i]) in mutated]
         decision = self.propagator.propagate(
-            registered, func, args, kwargs, metadata_of(flat), spec, placement, kept
+            registered, func, args, kwargs, metadata_of(flat), spec, placement, kept, planned
         )
         if decision is None:  # no strategy keeps a written input's layout
             return self.fallback(func, args, kwargs)
         if key is not None and self.propagator.reads_floats(key):
             self.fast[key] = _BY_VALUE
-            key = call_key(func, args, kwargs, fold_floats=False)
+            key = call_key(func, args, kwargs, False, planned)
         return self._run(
-            decision, registered, func, args, kwargs, flat, spec, placement, positions, key
+            decision,
+            registered,
+            func,
+            args,
+            kwargs,
+            flat,
+            spec,
+            placement,
+            positions,
+            key,
+            planned is not None,
         )
 
     def fallback(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -207,12 +243,14 @@ class OpDispatcher:
         placement: Placement,
         positions: list[int],
         fast_key: Any,
+        planned: bool = False,
     ) -> Any:
         """Run ``decision``: box the inputs, run the op on the pieces, wrap the outputs.
 
         ``flat``/``spec``: the flattened arguments, ``positions`` where the global ones are
         (``registered`` is None for the fallback); ``fast_key``: the call's key, to remember
-        it by if it boxes nothing (NOTE [fast path]).
+        it by if it boxes nothing (NOTE [fast path]); ``planned``: the decision is a followed
+        plan's (NOTE [boxed once for the backward]).
         """
         globals_ = [flat[i] for i in positions]
         mutated = _mutated_ids(func, args, kwargs)
@@ -228,7 +266,10 @@ class OpDispatcher:
                 )
                 if not _functional.traced(g._local):  # compiled: no stack inspection at run time
                     _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # timeouts
-                local_flat[i] = box_below_autograd(g, layout)._local
+                if id(g) in mutated:  # the fallback writes into the boxed piece
+                    local_flat[i] = box_below_autograd(g, layout)._local
+                else:
+                    local_flat[i] = _boxed_input(g, layout, planned)._local
             else:
                 local_flat[i] = g._local
             if id(g) in mutated:
@@ -304,6 +345,23 @@ class OpDispatcher:
         op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
         gradients = _fast_gradients(decision, args)
         self.fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
+
+
+# In a tensor's ``__dict__``: (layout, version, boxed) of the last boxing a planned op made
+# of it (NOTE [boxed once for the backward]).
+_BOXED = "_sbpflow_boxed_for_plan"
+
+
+def _boxed_input(g: Any, layout: Layout, planned: bool) -> Any:
+    """``g`` boxed to ``layout`` for an op (NOTE [boxed once for the backward])."""
+    want = layout.normalized()
+    held = g.__dict__.get(_BOXED)
+    if held is not None and held[0] == want and held[1] == g._local._version:
+        return held[2]
+    boxed = box_below_autograd(g, layout)
+    if planned and g.grad_fn is not None and torch.is_grad_enabled():
+        g.__dict__[_BOXED] = (want, g._local._version, boxed)
+    return boxed
 
 
 def _fast_gradients(decision: Decision, args: tuple[Any, ...]) -> GradientPlan | None:

@@ -49,12 +49,21 @@ a choice's gradient plan at run time).
 #              axis divides work by splitting the batch; its broadcast tensors'
 #              partial gradients are reduced where they reach parameters, in
 #              buckets (sbpflow.nn.parallel), as before.
+#
+# NOTE [planned strategies]
+# A plan made over the whole step (``sbpflow.auto_parallel``) may want an op laid out
+# otherwise than the cheapest choice from where its inputs are now: it reduce-scatters
+# here so that an op further on needs no gather. ``choose`` then takes the ``planned``
+# layouts (inputs and outputs) when the rule offers them and they keep the written inputs;
+# otherwise it prices the candidates as above. A planned layout the rule does not offer is
+# never forced: every choice stays one of the rule's, so following a plan never changes a
+# value, only where boxing happens.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ._layout import Layout
@@ -67,6 +76,7 @@ __all__ = [
     "NO_GRADIENT_PLAN",
     "Choice",
     "GradientPlan",
+    "Planned",
     "boxing_cost",
     "choose",
     "consumer_cost",
@@ -107,6 +117,21 @@ class Choice:
     gradients: GradientPlan
 
 
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """The layouts a plan gives one call (NOTE [planned strategies]), normalized.
+
+    ``inputs``: one per tensor argument of the call, in the order ``tree_flatten`` gives
+    them (plain ones included; only the global inputs' are read); ``outputs``: the leading
+    tensor outputs' (fewer than the op has: the rest are free). Compared by identity: the
+    plan that makes them gives equal ones the same object, so a cache key holding one
+    hashes at once.
+    """
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+
+
 def choose(
     per_axis: Sequence[Sequence[Strategy]],
     placement: Placement,
@@ -114,26 +139,27 @@ def choose(
     inputs: Sequence[TensorMeta],
     outputs: Sequence[TensorMeta],
     kept: Sequence[int] = (),
+    planned: tuple[Sequence[Layout], Sequence[Layout]] | None = None,
 ) -> Choice | None:
     """The cheapest N-D combination of one strategy per mesh axis (NOTE [choosing a strategy]).
 
     ``current``: the global inputs' layouts now; ``kept``: inputs the op writes in place,
-    which must keep their layout. ``None`` when no combination keeps them.
+    which must keep their layout. ``planned``: the global inputs' and the leading outputs'
+    layouts (normalized) a plan wants, taken when a combination has them (NOTE [planned
+    strategies]). ``None`` when no combination keeps the ``kept`` inputs.
     """
     now = [layout.normalized() for layout in current]
+    candidates = list(_candidates(per_axis, placement, now, inputs, outputs, kept))
+    if planned is not None:
+        want_ins, want_outs = tuple(planned[0]), tuple(planned[1])
+        for ins, outs in candidates:
+            if (
+                tuple(layout.normalized() for layout in ins) == want_ins
+                and tuple(layout.normalized() for layout in outs[: len(want_outs)]) == want_outs
+            ):
+                return Choice(ins, outs, gradient_plan(ins, outs, now))
     best: tuple[float, tuple[Layout, ...], tuple[Layout, ...]] | None = None
-    for combo in itertools.product(*per_axis):
-        ins = tuple(Layout(placement, tuple(s.inputs[k] for s in combo)) for k in range(len(now)))
-        if any(ins[k].normalized() != now[k] for k in kept):
-            continue
-        outs = tuple(
-            Layout(placement, tuple(s.outputs[k] for s in combo)) for k in range(len(outputs))
-        )
-        if any(_mixes_partials(layout) for layout in ins + outs):
-            continue  # sum-partial on one axis and max-partial on another: boxing can't take it
-        metas = [*inputs, *outputs]
-        if not all(_fits(layout, meta) for layout, meta in zip(ins + outs, metas, strict=True)):
-            continue  # a split of a dim the tensor lacks (a 0-dim result): no such layout
+    for ins, outs in candidates:
         cost = 0.0
         for want, have, meta in zip(ins, now, inputs, strict=True):
             if want.normalized() != have:
@@ -146,6 +172,31 @@ def choose(
         return None
     _, ins, outs = best
     return Choice(ins, outs, gradient_plan(ins, outs, now))
+
+
+def _candidates(
+    per_axis: Sequence[Sequence[Strategy]],
+    placement: Placement,
+    now: Sequence[Layout],
+    inputs: Sequence[TensorMeta],
+    outputs: Sequence[TensorMeta],
+    kept: Sequence[int],
+) -> Iterator[tuple[tuple[Layout, ...], tuple[Layout, ...]]]:
+    """Every N-D combination's (input, output) layouts that keeps the ``kept`` inputs and is a
+    layout the boxing can take, in the rules' order."""
+    metas = [*inputs, *outputs]
+    for combo in itertools.product(*per_axis):
+        ins = tuple(Layout(placement, tuple(s.inputs[k] for s in combo)) for k in range(len(now)))
+        if any(ins[k].normalized() != now[k] for k in kept):
+            continue
+        outs = tuple(
+            Layout(placement, tuple(s.outputs[k] for s in combo)) for k in range(len(outputs))
+        )
+        if any(_mixes_partials(layout) for layout in ins + outs):
+            continue  # sum-partial on one axis and max-partial on another: boxing can't take it
+        if not all(_fits(layout, meta) for layout, meta in zip(ins + outs, metas, strict=True)):
+            continue  # a split of a dim the tensor lacks (a 0-dim result): no such layout
+        yield ins, outs
 
 
 def boxing_cost(meta: TensorMeta, have: Layout, want: Layout) -> float:

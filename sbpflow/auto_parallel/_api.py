@@ -304,6 +304,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                 act,
                 tuple(collectives),
                 unsupported(node),
+                node.in_shapes,
             )
         )
     output_sbp = []

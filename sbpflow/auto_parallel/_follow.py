@@ -1,4 +1,5 @@
-"""Running a plan: module hooks that box inputs and outputs to the planned layouts.
+"""Running a plan: each op takes its planned strategy, and module boundaries box to the
+planned layouts.
 
 # NOTE [following the plan]
 # ``Plan.apply`` sets the parameters' layouts; between them, sbpflow's own propagation lays
@@ -24,6 +25,24 @@
 # boundaries, the hooks of every module none of whose boundaries acted are removed: there
 # propagation already lays out the step as planned, and it makes the same decisions from
 # the same layouts on every later step. Modules that did act keep their hooks.
+#
+# Inside a module, each op takes the strategy the plan gives it (NOTE [planned strategies]
+# in sbpflow/_propagation.py): while the model's forward runs, ``_Ops`` is the plan being
+# followed (``FOLLOWING`` in sbpflow/_decisions.py), and the dispatcher asks it, for each
+# call on global tensors, which planned op the call is. The forward runs its ops in the
+# order the step was captured in, so ``_Ops`` walks the captured ops with a cursor: a call
+# is the next captured op of the same name whose tensor arguments have the same shapes,
+# looked for among the next ``_LOOKAHEAD`` ones (the capture also holds ops on plain
+# tensors, which never reach the dispatcher). A call found nowhere there (another batch
+# shape, another branch of the model's control flow, an op sbpflow decomposes) is not the
+# plan's: it propagates as without a plan, and the cursor stays. Propagation takes a
+# planned strategy only where the op's rule offers it, so a call matched to the wrong op
+# still computes the right value; only its boxing may differ from the plan.
+# The backward follows through the forward's layouts: an input a planned op boxed gets its
+# gradient boxed back (NOTE [gradient plan]), and the op's backward finds the input boxed
+# already (NOTE [boxed once for the backward] in sbpflow/_dispatch.py), as the plan prices
+# it. Captured ``sdpa`` (one fused call, several ATen ops at run time) and ops with no rule
+# are left to propagation.
 """
 
 from __future__ import annotations
@@ -35,13 +54,16 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._decisions import FOLLOWING
 from .._global import GlobalTensor, as_global_grad
 from .._layout import Layout
+from .._propagation import Planned
 from ..boxing._redistribute import Redistribute, box_below_autograd
 from ..placement import Placement
+from ._capture import SDPA
 
 if TYPE_CHECKING:  # _plan imports this module when a plan is applied
-    from ._plan import Boundary
+    from ._plan import Boundary, OpChoice
 
 __all__ = ["follow", "followed_modules", "unfollow"]
 
@@ -128,8 +150,78 @@ class _Boundaries:
         return pytree.tree_unflatten(leaves, spec)
 
 
-def follow(model: torch.nn.Module, placement: Placement, boundaries: Sequence[Boundary]) -> None:
-    """Install the boundary hooks on ``model``'s modules (replacing earlier ones)."""
+# How many captured ops past the cursor a call may be found at (NOTE [following the plan])
+_LOOKAHEAD = 32
+
+
+class _Ops:
+    """The plan's ops in the order the forward runs them, and how far this forward got."""
+
+    def __init__(self, placement: Placement, ops: Sequence[OpChoice]) -> None:
+        interned: dict[tuple[Any, ...], Planned] = {}
+        self.entries: list[tuple[str, tuple[tuple[int, ...], ...], Planned]] = []
+        for op in ops:
+            if op.fallback or op.op == SDPA or len(op.in_shapes) != len(op.inputs):
+                continue  # left to propagation
+            key = (op.inputs, op.outputs)
+            if key not in interned:
+                interned[key] = Planned(
+                    tuple(Layout(placement, sbp).normalized() for sbp in op.inputs),
+                    tuple(Layout(placement, sbp).normalized() for sbp in op.outputs),
+                )
+            self.entries.append((op.op, op.in_shapes, interned[key]))
+        self.names: dict[Any, str] = {}
+        self.cursor = 0
+        self.tokens: list[Any] = []
+
+    def start(self) -> None:
+        """A forward of the model starts: follow the plan from its first op."""
+        self.cursor = 0
+        self.tokens.append(FOLLOWING.set(self.match))
+
+    def stop(self) -> None:
+        if self.tokens:
+            FOLLOWING.reset(self.tokens.pop())
+
+    def match(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Planned | None:
+        """The planned layouts of this call, if it is the next op of the plan."""
+        name = self.names.get(func)
+        if name is None:
+            name = self.names[func] = str(func)
+        entries, shapes = self.entries, None
+        for j in range(self.cursor, min(self.cursor + _LOOKAHEAD, len(entries))):
+            entry = entries[j]
+            if entry[0] != name:
+                continue
+            if shapes is None:
+                shapes = _shapes(args, kwargs.values())
+            if entry[1] == shapes:
+                self.cursor = j + 1
+                return entry[2]
+        return None
+
+
+def _shapes(*groups: Any) -> tuple[Any, ...]:
+    """The shapes of the tensor arguments of a call (its args, its kwargs' values), as
+    ``tree_flatten`` orders them (an ATen call nests tensors in lists one level deep)."""
+    found = []
+    for group in groups:
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                found.append(a.shape)
+            elif type(a) is list or type(a) is tuple:
+                found += [t.shape for t in a if isinstance(t, torch.Tensor)]
+    return tuple(found)
+
+
+def follow(
+    model: torch.nn.Module,
+    placement: Placement,
+    boundaries: Sequence[Boundary],
+    ops: Sequence[OpChoice] = (),
+) -> None:
+    """Install the hooks that follow the plan on ``model`` (replacing earlier ones): each op
+    takes its planned strategy, each module boundary boxes to its planned layouts."""
     unfollow(model)
     state = _Boundaries(placement, boundaries)
     by_module: dict[str, list[Any]] = {}
@@ -162,7 +254,21 @@ def follow(model: torch.nn.Module, placement: Placement, boundaries: Sequence[Bo
 
     # runs before the boundary hooks of the root (registered after them, but prepended)
     pruner = model.register_forward_pre_hook(prune, prepend=True)
-    model.__dict__[_HANDLES] = (by_module, pruner)
+    following = _Ops(placement, ops)
+
+    def start(_m: Any, _args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            following.start()
+
+    def stop(_m: Any, _args: Any, _out: Any) -> None:
+        if not torch.compiler.is_compiling():
+            following.stop()
+
+    ops_hooks = (
+        model.register_forward_pre_hook(start, prepend=True),
+        model.register_forward_hook(stop, always_call=True),
+    )
+    model.__dict__[_HANDLES] = (by_module, pruner, ops_hooks)
 
 
 def unfollow(model: torch.nn.Module) -> None:
@@ -170,8 +276,8 @@ def unfollow(model: torch.nn.Module) -> None:
     installed = model.__dict__.pop(_HANDLES, None)
     if installed is None:
         return
-    by_module, pruner = installed
-    for handles in by_module.values():
+    by_module, pruner, ops_hooks = installed
+    for handles in (*by_module.values(), ops_hooks):
         for handle in handles:
             handle.remove()
     pruner.remove()

@@ -72,6 +72,9 @@ class OpChoice:
     activation_bytes: float
     collectives: tuple[Collective, ...]
     fallback: bool  # no rule: computed broadcast on every rank
+    # the shapes of its tensor arguments, as ``tree_flatten`` orders them: how a call at
+    # run time is known to be this op (NOTE [following the plan] in _follow.py)
+    in_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,9 +172,10 @@ class Plan:
         broadcast. This goes through ``Module.to_global``, so each parameter stays the same
         object: an optimizer made before ``apply`` keeps working.
 
-        With ``follow`` (the default), forward hooks box each module's inputs and outputs to
-        the planned layouts, and their gradients to the planned gradient layouts, so the
-        step boxes where the plan says (NOTE [following the plan] in _follow.py);
+        With ``follow`` (the default), each op of the forward takes its planned strategy,
+        and forward hooks box each module's inputs and outputs to the planned layouts, and
+        their gradients to the planned gradient layouts, so the step boxes where the plan
+        says (NOTE [following the plan] in _follow.py);
         ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
         ``follow=False`` sets the parameters only.
         """
@@ -189,7 +193,7 @@ class Plan:
         if follow:
             from ._follow import follow as install
 
-            install(model, self.placement, self.boundaries)
+            install(model, self.placement, self.boundaries, self.ops)
         return model
 
     # -- inspecting -----------------------------------------------------------------

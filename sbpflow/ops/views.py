@@ -315,9 +315,15 @@ def _source_shape(info: OpInfo) -> tuple[int, ...]:
 def cat_rule(info: OpInfo) -> list[Strategy]:
     ndim = info.outputs[0].ndim
     dim = normalize_dim(info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0), ndim)
-    if any(meta.ndim != ndim for meta in info.inputs):  # legacy empty 1-D pieces: gather
+    # legacy empty 1-D pieces (a fresh key/value cache): cat skips them, so they stay
+    # broadcast while the other pieces keep their split or partial sum
+    full = [meta.ndim == ndim for meta in info.inputs]
+    if all(full):
+        return _with_splits(info, [(d, d) for d in range(ndim) if d != dim])
+    if any(not f and meta.shape != (0,) for f, meta in zip(full, info.inputs, strict=True)):
         return _passthrough(info)
-    return _with_splits(info, [(d, d) for d in range(ndim) if d != dim])
+    pieces = [(Split(d), Split(d)) for d in range(ndim) if d != dim] + [(B, B), (P, P)]
+    return [Strategy(tuple(s if f else B for f in full), (out,)) for s, out in pieces]
 
 
 @register(aten.stack.default, family="views")

@@ -42,6 +42,24 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+class FusedBlocks(nn.Module):
+    """``Block``s written as one module: no module boundary between the plan's ops."""
+
+    def __init__(self, dim: int, inner: int, blocks: int) -> None:
+        super().__init__()
+        layers = [Block(dim, inner) for _ in range(blocks)]  # the same initialization
+        self.norm = nn.ParameterList([p for b in layers for p in b.norm.parameters()])
+        self.up = nn.ParameterList([p for b in layers for p in b.up.parameters()])
+        self.down = nn.ParameterList([p for b in layers for p in b.down.parameters()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(0, len(self.up), 2):
+            h = F.layer_norm(x, x.shape[-1:], self.norm[i], self.norm[i + 1])
+            h = F.gelu(F.linear(h, self.up[i], self.up[i + 1]))
+            x = x + F.linear(h, self.down[i], self.down[i + 1])
+        return x
+
+
 def _ran(forward: Any, backward: Any) -> dict[tuple[str, str], int]:
     ran = Counter({("forward", op): n for op, n in forward.collectives().items()})
     return dict(ran + Counter({("backward", op): n for op, n in backward.collectives().items()}))
@@ -50,15 +68,19 @@ def _ran(forward: Any, backward: Any) -> dict[tuple[str, str], int]:
 def plan_and_train_job(case: str) -> dict[str, Any]:
     """``megatron``: bench/tp's blocks, the batch pinned broadcast, priced with no eager cost
     per boxing step (so the plan is sequence parallel); ``megatron_default``: the same with
-    the default prices; ``data``: small blocks and a wide batch, nothing pinned."""
+    the default prices; ``fused``: as ``megatron``, the blocks written as one module;
+    ``data``: small blocks and a wide batch, nothing pinned."""
     placement = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
-    tensor_parallel = case.startswith("megatron")
+    tensor_parallel = case.startswith("megatron") or case == "fused"
     dim, inner, rows = (256, 1024, 512) if tensor_parallel else (64, 256, 4096)
-    reference = nn.Sequential(Block(dim, inner), Block(dim, inner))
+    if case == "fused":
+        reference: nn.Module = FusedBlocks(dim, inner, 2)
+    else:
+        reference = nn.Sequential(Block(dim, inner), Block(dim, inner))
     x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
     fixed = {0: broadcast} if tensor_parallel else None
-    compute = ComputeModel(100e9, 20e9) if case == "megatron" else None
+    compute = ComputeModel(100e9, 20e9) if case in ("megatron", "fused") else None
     plan = sbpflow.auto_parallel(
         reference, placement, x, fixed=fixed, optimizer="sgd", compute_model=compute
     )
@@ -94,6 +116,14 @@ def plan_and_train_job(case: str) -> dict[str, Any]:
         error = (whole - want_p.detach()).abs().max().item()
         if error > _TOL:
             errors[name] = error
+    # another batch size than the plan's: no call is the captured one, propagation lays out
+    # the step as without a plan, and the values still equal one process
+    short = x[: rows // 4]
+    gshort = short.to_global(placement, broadcast).to_global(sbp=plan.input_sbp[0])
+    got_short = model(gshort).to_global(sbp=broadcast).to_local().detach()
+    error = (got_short - reference(short).detach()).abs().max().item()
+    if error > _TOL:
+        errors["another batch size"] = error
     predicted = Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective)
     # a parameter's gradient reduced alone in the plan; buckets may fuse several (step 2 on)
     parameter_reductions = sum(
@@ -182,3 +212,16 @@ def test_data_parallel_plan_trains_like_one_process() -> None:
     assert set(got["layouts"].values()) == {"B"} and got["input"] == "S(0)", got
     _assert_follows(got)
     assert got["predicted"].get(("backward", "all_reduce"), 0) > 0, got["predicted"]
+
+
+def test_a_plan_is_followed_op_by_op_inside_a_module() -> None:
+    """The sequence-parallel plan of test_megatron_plan_trains_like_one_process, for the
+    blocks written as one module: no module boundary inside, so only the ops themselves can
+    take the planned strategies (reduce-scatter each block's output, gather it where the
+    next block reads it) where propagation alone all-reduces. Each step runs exactly the
+    plan's collectives, recorded from outside (``sbpflow.boxing.trace``), and 3 steps equal
+    one process."""
+    got = _check(get_pool(2).run(plan_and_train_job, "fused"))
+    assert got["propagated"] != got["predicted"], got  # the two disagree here
+    assert got["predicted"].get(("forward", "reduce_scatter"), 0) > 0, got["predicted"]
+    _assert_follows(got)

@@ -72,6 +72,21 @@ def _one_axis_cases() -> list[Case]:
         # many <-> one
         Case("cat", lambda t: torch.cat([t, t * 2], 1), [x], [S0], (S0,)),
         Case("cat two globals", lambda a, b: torch.cat([a, b], 2), [x, x + 1], [S1, S1], (S1,)),
+        # a fresh key/value cache: cat skips the empty 1-D piece, the split or sum is kept
+        Case(
+            "cat after an empty piece",
+            lambda t: torch.cat([torch.tensor([]), t], 1),
+            [x],
+            [S0],
+            (S0,),
+        ),
+        Case(
+            "cat partial after an empty piece",
+            lambda t: torch.cat([torch.tensor([]), t], 2),
+            [x],
+            [P],
+            (P,),
+        ),
         Case("stack", lambda t: torch.stack([t, -t], 1), [x], [S2], (Split(3),)),
         Case("split", lambda t: torch.stack(t.split(2, 1), 0), [x], [S0], (S1,)),
         Case("split_with_sizes", lambda t: t.split([1, 5], 1)[1], [x], [S2], (S2,)),
@@ -105,6 +120,13 @@ def _mesh_cases() -> list[Case]:
             "select and unsqueeze", lambda t: t.select(1, 4).unsqueeze(0), [x], [(S2, P)], (S2, P)
         ),
         Case("expand partial", lambda t: t[:, :1].expand(8, 6, 5), [x], [(P, S0)], (P, S0)),
+        Case(
+            "cat after an empty piece",
+            lambda t: torch.cat([torch.tensor([]), t], -2),
+            [x],
+            [(S0, S2)],
+            (S0, S2),
+        ),
     ]
 
 

@@ -399,8 +399,9 @@ def test_boundaries_box_a_blocks_output_where_the_plan_reads_it() -> None:
         assert down.grad_sbp == (B,) and down.shape == (512, 256)
     follow(model, placement, plan.boundaries)
     hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    # one hook per module input and output laid out, and the root's pruning pre-hook
-    assert hooked == len({(b.module, b.where) for b in plan.boundaries}) + 1
+    # one hook per module input and output laid out, the root's pruning pre-hook, and the
+    # root's pair that follows the plan op by op while its forward runs
+    assert hooked == len({(b.module, b.where) for b in plan.boundaries}) + 3
     unfollow(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -465,3 +466,30 @@ def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
         calibrate_compute("cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repeats"):
         calibrate_compute(placement, repeats=0)
+
+
+def test_the_runtime_knows_a_call_by_its_place_name_and_shapes() -> None:
+    """``apply`` follows the plan op by op: each call of the forward is the next captured op
+    (within a few) with its name and tensor shapes, and takes that op's planned layouts. A
+    call with another shape (another batch) is none of them and leaves the place as it is;
+    so does an op the capture never saw. The captured ops, replayed, are known one by one."""
+    from sbpflow._layout import Layout
+    from sbpflow.auto_parallel._follow import _Ops
+
+    model = _mlp_model(blocks=2)
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
+    ops = _Ops(placement, plan.ops)
+    aten = torch.ops.aten
+    assert ops.match(aten.addmm.default, (torch.empty(3, 5, device="meta"),), {}) is None
+    assert ops.match(aten.sin.default, (torch.empty(512, 256, device="meta"),), {}) is None
+    assert ops.cursor == 0
+    followed = [op for op in plan.ops if not op.fallback]
+    for op in followed:
+        _, name, overload = op.op.split(".")
+        func = getattr(getattr(aten, name), overload)
+        planned = ops.match(func, tuple(torch.empty(s, device="meta") for s in op.in_shapes), {})
+        assert planned is not None, op
+        assert planned.outputs == tuple(Layout(placement, s).normalized() for s in op.outputs)
+        assert planned.inputs == tuple(Layout(placement, s).normalized() for s in op.inputs)
+    assert ops.cursor == len(followed) >= 10

@@ -26,8 +26,15 @@ LINE = sbpflow.placement("cpu", [0, 1])
 MESH = sbpflow.placement("cpu", [[0, 1], [2, 3]])
 
 
-def _decide(func: Any, shapes: list[tuple[int, ...]], layouts: list[Any], placement: Any) -> Any:
-    """What the dispatcher decides for ``func`` on inputs of ``shapes`` laid out as ``layouts``."""
+def _decide(
+    func: Any,
+    shapes: list[tuple[int, ...]],
+    layouts: list[Any],
+    placement: Any,
+    planned: Any = None,
+) -> Any:
+    """What the dispatcher decides for ``func`` on inputs of ``shapes`` laid out as ``layouts``
+    (``planned``: the (inputs, outputs) sbps a plan wants)."""
     metas = [TensorMeta(shape, torch.float32) for shape in shapes]
     current = [Layout(placement, sbp) for sbp in layouts]
     out = func(*(torch.empty(s, device="meta") for s in shapes))
@@ -38,7 +45,11 @@ def _decide(func: Any, shapes: list[tuple[int, ...]], layouts: list[Any], placem
     for axis, size in enumerate(placement.shape):
         now = [layout.normalized().sbp[axis] for layout in current]
         per_axis.append(rule.rule(OpInfo(func, tuple(metas), {}, metas, outputs, size, now)))
-    choice = choose(per_axis, placement, current, metas, outputs)
+    if planned is not None:
+        planned = tuple(
+            tuple(Layout(placement, sbp).normalized() for sbp in sbps) for sbps in planned
+        )
+    choice = choose(per_axis, placement, current, metas, outputs, planned=planned)
     assert choice is not None
     return choice
 
@@ -106,3 +117,28 @@ def test_written_inputs_keep_their_layout() -> None:
     info = OpInfo(aten.add_.Tensor, tuple(metas), {}, metas, metas[:1], 2, [P, B])
     choice = choose([rule.rule(info)], LINE, current, metas, metas[:1], kept=[0])
     assert choice is not None and _sbps(choice.input_layouts)[0] == P
+
+
+def test_a_planned_strategy_is_taken_where_the_rule_offers_it() -> None:
+    """``x (B) + y (P)`` alone all-reduces y (test_residual_add_of_a_partial_sum_reduces_it_once);
+    a plan that reduce-scatters both into a split (sequence parallelism, for a later op) gets
+    it, with y's gradient gathered back, and so does a plan keeping the sum partial. On a
+    2x2 mesh the planned layout holds per axis."""
+    choice = _decide(aten.add.Tensor, [(8, 4), (8, 4)], [B, P], LINE, ([S0, S0], [S0]))
+    assert _sbps(choice.input_layouts) == [S0, S0] and _sbps(choice.output_layouts) == [S0]
+    assert choice.gradients.reverse == (1,)  # y's gradient gathered back (x was whole)
+    choice = _decide(aten.add.Tensor, [(8, 4), (8, 4)], [B, P], LINE, ([P, P], [P]))
+    assert _sbps(choice.output_layouts) == [P]
+    planned = ([(S0, S1), (S0, S1)], [(S0, S1)])
+    choice = _decide(aten.add.Tensor, [(8, 4), (8, 4)], [(S0, B), (S0, P)], MESH, planned)
+    assert _sbps(choice.input_layouts) == [(S0, S1), (S0, S1)]
+
+
+def test_a_planned_strategy_the_rule_lacks_is_never_forced() -> None:
+    """A plan asking ``mm`` for a layout no matmul strategy has (both inputs split on their
+    contracted dim's other side, an S(0) output from S(1) inputs) is not taken: the op takes
+    the cheapest of its rule's strategies, as without a plan."""
+    alone = _decide(aten.mm.default, [(8, 4), (4, 6)], [S0, B], LINE)
+    wrong = ([S1, S1], [S0])
+    choice = _decide(aten.mm.default, [(8, 4), (4, 6)], [S0, B], LINE, wrong)
+    assert choice == alone
