@@ -28,17 +28,6 @@
 #    ``sbpflow.boxing.trace().fallbacks`` records it).
 # Boxing here is not differentiable: dispatch runs below autograd, which
 # differentiates the op itself through its backward formula (more ops).
-#
-# NOTE [boxed once for the backward]
-# Autograd saves an op's inputs as they were passed, before dispatch boxes them: an
-# activation gathered for a matmul is saved split, and the matmul's backward gathers it
-# again. A plan (``sbpflow.auto_parallel``) prices the backward of an op on the inputs it
-# was boxed to, once. So where an op takes a followed plan's strategy (NOTE [planned
-# strategies] in _propagation), each non-leaf input it boxes keeps its boxed copy (in its
-# ``__dict__``, as long as the tensor lives and is not written into), and the next op, of
-# the forward or the backward, needing the tensor in that layout takes the copy instead of
-# boxing again: a value computed once, communicated once. Parameters (leaves) keep none:
-# a sharded weight stays sharded between steps.
 """
 
 from __future__ import annotations
@@ -195,17 +184,7 @@ class OpDispatcher:
             self.fast[key] = _BY_VALUE
             key = call_key(func, args, kwargs, False, planned)
         return self._run(
-            decision,
-            registered,
-            func,
-            args,
-            kwargs,
-            flat,
-            spec,
-            placement,
-            positions,
-            key,
-            planned is not None,
+            decision, registered, func, args, kwargs, flat, spec, placement, positions, key
         )
 
     def fallback(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -243,14 +222,12 @@ class OpDispatcher:
         placement: Placement,
         positions: list[int],
         fast_key: Any,
-        planned: bool = False,
     ) -> Any:
         """Run ``decision``: box the inputs, run the op on the pieces, wrap the outputs.
 
         ``flat``/``spec``: the flattened arguments, ``positions`` where the global ones are
         (``registered`` is None for the fallback); ``fast_key``: the call's key, to remember
-        it by if it boxes nothing (NOTE [fast path]); ``planned``: the decision is a followed
-        plan's (NOTE [boxed once for the backward]).
+        it by if it boxes nothing (NOTE [fast path]).
         """
         globals_ = [flat[i] for i in positions]
         mutated = _mutated_ids(func, args, kwargs)
@@ -266,10 +243,7 @@ class OpDispatcher:
                 )
                 if not _functional.traced(g._local):  # compiled: no stack inspection at run time
                     _errors.publish(f"{func} (boxing its inputs)", _errors.user_site())  # timeouts
-                if id(g) in mutated:  # the fallback writes into the boxed piece
-                    local_flat[i] = box_below_autograd(g, layout)._local
-                else:
-                    local_flat[i] = _boxed_input(g, layout, planned)._local
+                local_flat[i] = box_below_autograd(g, layout)._local
             else:
                 local_flat[i] = g._local
             if id(g) in mutated:
@@ -345,23 +319,6 @@ class OpDispatcher:
         op = key[0]._op if isinstance(key[0], torch._ops.OpOverload) else key[0]
         gradients = _fast_gradients(decision, args)
         self.fast[key] = _Fast(op, metas, container, registered.local, ctx, gradients)
-
-
-# In a tensor's ``__dict__``: (layout, version, boxed) of the last boxing a planned op made
-# of it (NOTE [boxed once for the backward]).
-_BOXED = "_sbpflow_boxed_for_plan"
-
-
-def _boxed_input(g: Any, layout: Layout, planned: bool) -> Any:
-    """``g`` boxed to ``layout`` for an op (NOTE [boxed once for the backward])."""
-    want = layout.normalized()
-    held = g.__dict__.get(_BOXED)
-    if held is not None and held[0] == want and held[1] == g._local._version:
-        return held[2]
-    boxed = box_below_autograd(g, layout)
-    if planned and g.grad_fn is not None and torch.is_grad_enabled():
-        g.__dict__[_BOXED] = (want, g._local._version, boxed)
-    return boxed
 
 
 def _fast_gradients(decision: Decision, args: tuple[Any, ...]) -> GradientPlan | None:

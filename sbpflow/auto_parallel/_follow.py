@@ -38,15 +38,17 @@ planned layouts.
 # plan's: it propagates as without a plan, and the cursor stays. Propagation takes a
 # planned strategy only where the op's rule offers it, so a call matched to the wrong op
 # still computes the right value; only its boxing may differ from the plan.
-# The backward follows through the forward's layouts: an input a planned op boxed gets its
-# gradient boxed back (NOTE [gradient plan]), and the op's backward finds the input boxed
-# already (NOTE [boxed once for the backward] in sbpflow/_dispatch.py), as the plan prices
-# it. Captured ``sdpa`` (one fused call, several ATen ops at run time) and ops with no rule
+# The backward is not matched op by op: it follows from the forward's layouts (an input a
+# planned op boxed gets its gradient boxed back, NOTE [gradient plan]). Autograd saves an
+# op's inputs as they were passed, before dispatch boxes them, so an op whose backward reads
+# an input the plan boxed boxes it again there, which the plan does not price. Captured ``sdpa`` (one fused call, several ATen ops at run time) and ops with no rule
 # are left to propagation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -171,32 +173,51 @@ class _Ops:
                 )
             self.entries.append((op.op, op.in_shapes, interned[key]))
         self.names: dict[Any, str] = {}
-        self.cursor = 0
-        self.tokens: list[Any] = []
+        self.calls = threading.local()  # per thread: the tokens of the forwards running
 
     def start(self) -> None:
-        """A forward of the model starts: follow the plan from its first op."""
-        self.cursor = 0
-        self.tokens.append(FOLLOWING.set(self.match))
+        """A forward of the model starts: follow the plan from its first op, with a cursor of
+        its own (two threads running the model each have theirs)."""
+        tokens = self._tokens()
+        while tokens:  # a forward that never stopped (interrupted: hooks catch Exception only)
+            with contextlib.suppress(ValueError):  # set in another context: nothing to undo
+                FOLLOWING.reset(tokens.pop())
+        tokens.append(FOLLOWING.set(_Cursor(self).match))
 
     def stop(self) -> None:
-        if self.tokens:
-            FOLLOWING.reset(self.tokens.pop())
+        tokens = self._tokens()
+        if tokens:
+            FOLLOWING.reset(tokens.pop())
+
+    def _tokens(self) -> list[Any]:
+        tokens = getattr(self.calls, "tokens", None)
+        if tokens is None:
+            tokens = self.calls.tokens = []
+        return tokens
+
+
+class _Cursor:
+    """How far one forward got through the plan's ops."""
+
+    def __init__(self, ops: _Ops) -> None:
+        self.ops = ops
+        self.next = 0
 
     def match(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Planned | None:
         """The planned layouts of this call, if it is the next op of the plan."""
-        name = self.names.get(func)
+        names = self.ops.names
+        name = names.get(func)
         if name is None:
-            name = self.names[func] = str(func)
-        entries, shapes = self.entries, None
-        for j in range(self.cursor, min(self.cursor + _LOOKAHEAD, len(entries))):
+            name = names[func] = str(func)
+        entries, shapes = self.ops.entries, None
+        for j in range(self.next, min(self.next + _LOOKAHEAD, len(entries))):
             entry = entries[j]
             if entry[0] != name:
                 continue
             if shapes is None:
                 shapes = _shapes(args, kwargs.values())
             if entry[1] == shapes:
-                self.cursor = j + 1
+                self.next = j + 1
                 return entry[2]
         return None
 

@@ -474,16 +474,16 @@ def test_the_runtime_knows_a_call_by_its_place_name_and_shapes() -> None:
     call with another shape (another batch) is none of them and leaves the place as it is;
     so does an op the capture never saw. The captured ops, replayed, are known one by one."""
     from sbpflow._layout import Layout
-    from sbpflow.auto_parallel._follow import _Ops
+    from sbpflow.auto_parallel._follow import _Cursor, _Ops
 
     model = _mlp_model(blocks=2)
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
-    ops = _Ops(placement, plan.ops)
+    ops = _Cursor(_Ops(placement, plan.ops))
     aten = torch.ops.aten
     assert ops.match(aten.addmm.default, (torch.empty(3, 5, device="meta"),), {}) is None
     assert ops.match(aten.sin.default, (torch.empty(512, 256, device="meta"),), {}) is None
-    assert ops.cursor == 0
+    assert ops.next == 0
     followed = [op for op in plan.ops if not op.fallback]
     for op in followed:
         _, name, overload = op.op.split(".")
@@ -492,4 +492,47 @@ def test_the_runtime_knows_a_call_by_its_place_name_and_shapes() -> None:
         assert planned is not None, op
         assert planned.outputs == tuple(Layout(placement, s).normalized() for s in op.outputs)
         assert planned.inputs == tuple(Layout(placement, s).normalized() for s in op.inputs)
-    assert ops.cursor == len(followed) >= 10
+    assert ops.next == len(followed) >= 10
+
+
+def test_a_forward_that_never_stopped_leaves_no_plan_behind() -> None:
+    """A forward interrupted past its hooks (``KeyboardInterrupt``: module hooks catch
+    ``Exception`` only) never ran its stop; the next forward of the model starts afresh and,
+    once it stops, no plan is followed any more. Two threads running the model each follow
+    with a cursor and tokens of their own."""
+    import threading
+
+    from sbpflow._decisions import FOLLOWING
+    from sbpflow.auto_parallel._follow import _Ops
+
+    placement = sbpflow.placement("cpu", [0, 1])
+    plan = sbpflow.auto_parallel(_mlp_model(blocks=1), placement, torch.randn(64, 256))
+    ops = _Ops(placement, plan.ops)
+    ops.start()  # interrupted: no stop
+    ops.start()
+    ops.stop()
+    assert FOLLOWING.get() is None
+
+    both_started, errors = threading.Barrier(2), []
+
+    def forward(first: bool) -> None:
+        try:
+            ops.start()
+            both_started.wait()
+            if first:  # the first stops while the second still runs
+                ops.stop()
+                assert FOLLOWING.get() is None
+            both_started.wait()
+            if not first:
+                assert FOLLOWING.get() is not None
+                ops.stop()
+        except Exception as error:  # reported below
+            errors.append(error)
+            both_started.abort()
+
+    threads = [threading.Thread(target=forward, args=(f,)) for f in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
