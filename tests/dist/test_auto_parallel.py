@@ -240,3 +240,49 @@ def test_a_plan_is_followed_op_by_op_inside_a_module() -> None:
         again = ran.get(gathers, 0) - predicted.get(gathers, 0)
         assert 0 <= again <= predicted.get(("forward", "all_gather"), 0), (step, ran, predicted)
         assert ran.get(reduces, 0) <= predicted.get(reduces, 0), (step, ran, predicted)
+
+
+def written_between_planned_ops_job() -> dict[str, float]:
+    """``h @ m`` planned with ``h`` gathered, then ``h`` written in place (autograd allows it:
+    ``add`` saves nothing), then ``h @ m`` planned again: the second product and the
+    gradients against one process."""
+    from sbpflow._decisions import FOLLOWING
+    from sbpflow._layout import Layout
+    from sbpflow._propagation import Planned
+    from sbpflow.sbp import Split
+
+    placement = sbpflow.placement("cpu", [0, 1])
+    full = Layout(placement, (broadcast,)).normalized()
+    planned = Planned((full, full), (full,))
+    torch.manual_seed(0)
+    a_plain, m_plain = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    a = a_plain.detach().to_global(placement, broadcast).to_global(sbp=Split(0))
+    a.requires_grad_()
+    m = m_plain.to_global(placement, broadcast)
+    token = FOLLOWING.set(
+        lambda func, args, kwargs: planned if func is torch.ops.aten.mm.default else None
+    )
+    try:
+        h = a * 1
+        first = h @ m
+        h += 1
+        second = h @ m
+    finally:
+        FOLLOWING.reset(token)
+    (first.sum() + (second * second).sum()).backward()
+    h_plain = a_plain * 1
+    first_plain = h_plain @ m_plain
+    h_plain = h_plain + 1
+    second_plain = h_plain @ m_plain
+    (first_plain.sum() + (second_plain * second_plain).sum()).backward()
+    return {
+        "second": (second.to_global(sbp=broadcast).to_local() - second_plain).abs().max().item(),
+        "grad": (a.grad.to_global(sbp=broadcast).to_local() - a_plain.grad).abs().max().item(),
+    }
+
+
+def test_a_tensor_written_between_planned_ops_is_boxed_afresh() -> None:
+    """A planned op boxes its input anew each time: an in-place write between two planned
+    reads of the same tensor shows in the second one and in the gradients."""
+    for errors in get_pool(2).run(written_between_planned_ops_job):
+        assert max(errors.values()) < 1e-5, errors
