@@ -297,8 +297,8 @@ def _priced(
 def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
     """Solve the program; ``None`` when no plan fits ``budget``.
 
-    ``objective="time"``: the fewest collectives among the plans within ``NEAR_EQUAL`` of
-    the fastest (NOTE [near-equal plans]); ``objective="memory"`` minimises the bytes per
+    ``objective="time"``: the fastest predicted step, or a near-equal plan with fewer
+    collectives (NOTE [near-equal plans]); ``objective="memory"`` minimises the bytes per
     rank instead (the smallest footprint).
     """
     import numpy as np  # imported when planning: import sbpflow needs neither
