@@ -203,11 +203,14 @@ class Prices:
         adds the fixed cost of one bucket once per set of axes any such all_reduce runs
         over (the first bucket). Linear, and within one bucket's fixed cost of the
         runtime's count. Other steps (a reduce_scatter into a sharded parameter) run alone:
-        no discount.
+        no discount; nor does a gradient of a bucket's size or more, which fills a bucket
+        of its own (its share would be negative: priced above running alone, and unlike
+        the plan's account of the buckets, which counts only discounted all_reduces).
         """
         if step.op != "all_reduce" or not all(isinstance(dst[a], Broadcast) for a in step.axes):
             return 0.0
-        return self.bucket_fixed_seconds(step.axes) * (1.0 - step.bytes_per_rank / BUCKET_CAP_BYTES)
+        share = max(0.0, 1.0 - step.bytes_per_rank / BUCKET_CAP_BYTES)
+        return self.bucket_fixed_seconds(step.axes) * share
 
     def gradient_boxing(
         self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
@@ -222,6 +225,24 @@ class Prices:
                 seconds -= discount
                 axes.append(step.axes)
         return seconds, tuple(axes)
+
+    def collectives(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        src: NdSbp,
+        dst: NdSbp,
+        parameter: bool = False,
+    ) -> int:
+        """Collectives of the boxing ``src -> dst`` (local steps aside); with ``parameter``,
+        a gradient boxed into a parameter laid out ``dst``, whose all_reduces the buckets run
+        count none of their own (the search counts each set of bucket axes once: NOTE
+        [near-equal plans] in _solve.py)."""
+        return sum(
+            1
+            for step in self.boxing(shape, dtype, src, dst)[1]
+            if step.is_collective and not (parameter and self.bucket_discount(step, dst))
+        )
 
     def compute_seconds(self, node: Node, strategy: Strategy) -> float:
         """Forward and (when the op needs gradients) backward compute of one rank."""

@@ -19,6 +19,31 @@
 # hands a partial gradient on to it: the all_reduce can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
+#
+# NOTE [near-equal plans]
+# The prices are a model, and two plans whose predicted steps differ by less than its error
+# are equal as far as it can tell: on 2 ranks, Megatron's MLP blocks (one all_reduce per
+# block and direction) and their sequence-parallel variant (a reduce_scatter and an
+# all_gather instead, the norms and residual adds on half the rows) are predicted 0.1%
+# apart, and which one wins flips with the eager cost of a boxing step. What the model does
+# not price is that every collective is a point where each rank of its group waits for the
+# slowest: on a busy 2-core host a 16-float all_reduce takes 0.2-0.5 ms against its 0.13 ms
+# alpha-beta price, and the sequence-parallel blocks (16 collectives a step) measured 1.19x
+# the all-reducing ones (8). So the search runs twice: first for the fastest searched step
+# T with C collectives, then again with each collective priced ``NEAR_EQUAL * T / C`` more:
+# a plan with fewer collectives wins where it is slower by less than that share per
+# collective saved, never by more than ``NEAR_EQUAL * T`` in all. A collective is a boxing
+# step that communicates (slices and zeros are local), counted once per tied class member;
+# parameter gradients' bucketed all_reduces count once per set of mesh axes (the bucket
+# variable u). The second plan is kept only where its predicted step, the optimizer's
+# update included (not searched: NOTE [default prices] in _costs.py), is within
+# ``NEAR_EQUAL`` of the first's; else the first plan stands. (Data parallelism trades
+# collectives for a replicated update: without that check the small Llama's plan would
+# drop Megatron's MLP for it, predicted 5% slower.) The price is a weight of the second
+# search only: the plan's predicted step is its prices'. A weighted sum solves as fast as
+# the first search, where a lexicographic second search under a bound on the step took
+# HiGHS ten times longer. Both searches are deterministic, so the plan is still the same on
+# every machine.
 """
 
 from __future__ import annotations
@@ -45,6 +70,9 @@ __all__ = [
 ]
 
 _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
+# relative slack of the predicted step within which fewer collectives win (NOTE
+# [near-equal plans])
+NEAR_EQUAL = 0.02
 
 
 @dataclass
@@ -133,6 +161,19 @@ def output_seconds(
     return best
 
 
+def _output_collectives(
+    graph: Graph, prices: Prices, output: tuple[int, int], layout: NdSbp, needs: NdSbp
+) -> int:
+    """Collectives of handing an output to the loss the way ``output_seconds`` chose."""
+    node = graph.nodes[output[0]]
+    shape, dtype = node.out_shapes[output[1]], node.out_dtypes[output[1]]
+    target = output_seconds(graph, prices, output, layout, needs)[1]
+    found = prices.collectives(shape, dtype, layout, target)
+    if node.requires_grad:
+        found += prices.collectives(shape, dtype, target, needs)
+    return found
+
+
 def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
     """Outputs (of representatives) read by several ops.
 
@@ -163,17 +204,27 @@ class _Program:
     def __init__(self) -> None:
         self.cost: list[float] = []
         self.memory: list[float] = []
+        self.count: list[float] = []  # collectives (NOTE [near-equal plans])
+        self.update: list[float] = []  # the optimizer's update, seconds (not searched)
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
         # (column, axes): the column runs a parameter gradient's all_reduce over those axes
         self.buckets: list[tuple[int, tuple[int, ...]]] = []
 
-    def choice(self, costs: list[float], memory: list[float]) -> int:
+    def choice(
+        self,
+        costs: list[float],
+        memory: list[float],
+        counts: list[float] | None = None,
+        update: list[float] | None = None,
+    ) -> int:
         """A one-hot choice among ``len(costs)`` options; returns its first column."""
         first = len(self.cost)
         self.cost += costs
         self.memory += memory
+        self.count += counts or [0.0] * len(costs)
+        self.update += update or [0.0] * len(costs)
         self.tie_break += [_TIE_BREAK * s for s in range(len(costs))]
         self.integer += [1] * len(costs)
         cols = list(range(first, first + len(costs)))
@@ -186,16 +237,20 @@ class _Program:
         right: dict[object, list[int]],
         table: dict[tuple[object, object], float],
         buckets: dict[tuple[object, object], tuple[tuple[int, ...], ...]] | None = None,
+        counts: dict[tuple[object, object], float] | None = None,
     ) -> None:
-        """Add ``table[a, b]`` when the left choice is in group a and the right in group b
-        (and mark it as running the parameter gradient all_reduces ``buckets[a, b]``)."""
+        """Add ``table[a, b]`` seconds (and ``counts[a, b]`` collectives) when the left
+        choice is in group a and the right in group b (and mark it as running the parameter
+        gradient all_reduces ``buckets[a, b]``)."""
         buckets = buckets or {}
-        if not any(table.values()) and not any(buckets.values()):
+        counts = counts or {}
+        if not any(table.values()) and not any(buckets.values()) and not any(counts.values()):
             return
         if len(left) == 1 or len(right) == 1:
             for (a, b), c in table.items():
                 for col in right[b] if len(left) == 1 else left[a]:
                     self.cost[col] += c
+                    self.count[col] += counts.get((a, b), 0.0)
                     self.buckets += [(col, axes) for axes in buckets.get((a, b), ())]
             return
         index = {}
@@ -203,6 +258,8 @@ class _Program:
             index[key] = len(self.cost)
             self.buckets += [(index[key], axes) for axes in buckets.get(key, ())]
             self.cost.append(c)
+            self.count.append(counts.get(key, 0.0))
+            self.update.append(0.0)
             self.memory.append(0.0)
             self.tie_break.append(0.0)
             self.integer.append(0)
@@ -221,10 +278,28 @@ def _groups(first: int, keys: list[object]) -> dict[object, list[int]]:
     return groups
 
 
+def _priced(
+    prices: Prices,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    count: int,
+    left: dict[object, list[int]],
+    right: dict[object, list[int]],
+) -> tuple[dict[tuple[object, object], float], dict[tuple[object, object], float]]:
+    """Seconds and collectives of boxing each left layout to each right one, ``count`` times."""
+    pairs = [(a, b) for a in left for b in right]
+    return (
+        {(a, b): count * prices.boxing(shape, dtype, a, b)[0] for a, b in pairs},  # type: ignore[arg-type]
+        {(a, b): count * prices.collectives(shape, dtype, a, b) for a, b in pairs},  # type: ignore[arg-type]
+    )
+
+
 def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
     """Solve the program; ``None`` when no plan fits ``budget``.
 
-    ``objective="memory"`` minimises the bytes per rank instead (the smallest footprint).
+    ``objective="time"``: the fastest predicted step, or a near-equal plan with fewer
+    collectives (NOTE [near-equal plans]); ``objective="memory"`` minimises the bytes per
+    rank instead (the smallest footprint).
     """
     import numpy as np  # imported when planning: import sbpflow needs neither
     from scipy import sparse
@@ -235,12 +310,14 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
 
     def gradient(
         u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
-    ) -> tuple[float, tuple[tuple[int, ...], ...]]:
-        """Seconds (and bucketed all_reduce axes) of boxing the gradient of ``u`` into
-        ``u``'s own layout: a parameter's is all-reduced in buckets."""
+    ) -> tuple[float, tuple[tuple[int, ...], ...], int]:
+        """Seconds, bucketed all_reduce axes and collectives of boxing the gradient of ``u``
+        into ``u``'s own layout: a parameter's is all-reduced in buckets."""
         if graph.nodes[u].kind == "param":
-            return prices.gradient_boxing(shape, dtype, src, dst)
-        return prices.boxing(shape, dtype, src, dst)[0], ()
+            seconds, axes = prices.gradient_boxing(shape, dtype, src, dst)
+            return seconds, axes, prices.collectives(shape, dtype, src, dst, parameter=True)
+        seconds = prices.boxing(shape, dtype, src, dst)[0]
+        return seconds, (), prices.collectives(shape, dtype, src, dst)
 
     program = _Program()
     offset: dict[int, int] = {}
@@ -249,13 +326,18 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         options = problem.choices[rep]
         costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
         memory = [counts[rep] * node_bytes(node, s, problem) for s in options]
+        steps = [0.0] * len(options)
         for output in graph.outputs:
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
                     o = output[1]
                     seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
                     costs[k] += seconds
-        offset[rep] = program.choice(costs, memory)
+                    steps[k] += _output_collectives(
+                        graph, prices, output, s.outputs[o], s.out_grads[o]
+                    )
+        update = [counts[rep] * prices.optimizer_seconds(node, s) for s in options]
+        offset[rep] = program.choice(costs, memory, steps, update)
 
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:
         return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
@@ -287,20 +369,29 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         left = producer_groups(u, o)
         spread_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(spread_offset[(u, o)], list(layouts))
-        table = {
-            (a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0]  # type: ignore[index]
-            for a in left
-            for f in right
-        }
-        program.pair(left, right, table)
+        pairs = [(a, f) for a in left for f in right]
+        program.pair(
+            left,
+            right,
+            {(a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0] for a, f in pairs},  # type: ignore[index]
+            counts={
+                (a, f): counts[u] * prices.collectives(shape, dtype, a[0], f)  # type: ignore[index]
+                for a, f in pairs
+            },
+        )
         if (u, o) not in candidates:
             continue
         layouts = candidates[(u, o)]
         sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
         found = {(a, g): gradient(u, shape, dtype, g, a[1]) for a in left for g in right}  # type: ignore[index]
-        table = {key: counts[u] * seconds for key, (seconds, _) in found.items()}
-        program.pair(left, right, table, {key: axes for key, (_, axes) in found.items()})
+        program.pair(
+            left,
+            right,
+            {key: counts[u] * seconds for key, (seconds, _, _) in found.items()},
+            {key: axes for key, (_, axes, _) in found.items()},
+            {key: counts[u] * n for key, (_, _, n) in found.items()},
+        )
 
     # edges, merged per (producer class, output, consumer class, input)
     merged: Counter[tuple[int, int, int, int]] = Counter()
@@ -311,52 +402,41 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         producer = graph.nodes[u]
         shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
         consumer = problem.choices[v]
+
         if (u, o) in many:
             left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
             right = _groups(offset[v], [s.inputs[i] for s in consumer])
-            table = {
-                (f, b): count * prices.boxing(shape, dtype, f, b)[0]  # type: ignore[arg-type]
-                for f in left
-                for b in right
-            }
-            program.pair(left, right, table)
+            table, steps = _priced(prices, shape, dtype, count, left, right)
+            program.pair(left, right, table, counts=steps)
             if (u, o) not in candidates:
                 continue
             grads = _groups(offset[v], [s.grads[i] for s in consumer])
             sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
-            table = {
-                (g, a): count * prices.boxing(shape, dtype, g, a)[0]  # type: ignore[arg-type]
-                for g in grads
-                for a in sums_right
-            }
-            program.pair(grads, sums_right, table)
+            table, steps = _priced(prices, shape, dtype, count, grads, sums_right)
+            program.pair(grads, sums_right, table, counts=steps)
             continue
         left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
-        if graph.nodes[u].kind != "param":
-            table = {
-                (a, b): count * sum(edge_seconds(graph, prices, (u, o), a, b))  # type: ignore[arg-type]
-                for a in left
-                for b in right
-            }
-            program.pair(left, right, table)
-            continue
-        table, marks = {}, {}
+        table, marks, steps = {}, {}, {}
         for a in left:
             for b in right:
                 forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
-                backward = (0.0, ())
+                collectives = prices.collectives(shape, dtype, a[0], b[0])  # type: ignore[index]
+                backward: tuple[float, tuple[tuple[int, ...], ...], int] = (0.0, (), 0)
                 if _needs_grad(graph, u, o):
                     backward = gradient(u, shape, dtype, b[1], a[1])  # type: ignore[index]
                 table[(a, b)] = count * (forward + backward[0])
                 marks[(a, b)] = backward[1]
-        program.pair(left, right, table, marks)
+                steps[(a, b)] = count * (collectives + backward[2])
+        program.pair(left, right, table, marks, steps)
 
     # one bucket's fixed cost per set of axes parameter gradients are all-reduced over
     bucket_columns = {}
     for axes in sorted({axes for _, axes in program.buckets}):
         bucket_columns[axes] = len(program.cost)
         program.cost.append(prices.bucket_fixed_seconds(axes))
+        program.count.append(1.0)
+        program.update.append(0.0)
         program.memory.append(0.0)
         program.tie_break.append(0.0)
         program.integer.append(1)
@@ -364,6 +444,8 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     num_vars = len(program.cost)
     c_time = np.asarray(program.cost)
     c_memory = np.asarray(program.memory)
+    c_count = np.asarray(program.count)
+    c_step = c_time + np.asarray(program.update)  # the predicted step
     c_ties = np.asarray(program.tie_break)
     data, row_ids, col_ids, rhs = [], [], [], []
     for r, (cols, coefs, value) in enumerate(program.rows):
@@ -388,16 +470,30 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         constraints.append(LinearConstraint(marks, -np.inf, 0.0))
     if budget is not None and objective == "time":
         constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
+    integrality = np.asarray(program.integer)
+    bounds = Bounds(np.zeros(num_vars), np.ones(num_vars))
+    options = {"mip_rel_gap": 0.0, "presolve": True}
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
     c = (c_time + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
     start = time.perf_counter()
     result = milp(
-        c,
-        integrality=np.asarray(program.integer),
-        bounds=Bounds(np.zeros(num_vars), np.ones(num_vars)),
-        constraints=constraints,
-        options={"mip_rel_gap": 0.0, "presolve": True},
+        c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
     )
+    if result.x is not None and objective == "time":
+        # NOTE [near-equal plans]: again, each collective priced at NEAR_EQUAL of the
+        # fastest plan's searched seconds over that plan's collectives
+        searched, found = float(c_time @ result.x), float(c_count @ result.x)
+        price = NEAR_EQUAL * searched / max(found, 1.0)
+        fewer = milp(
+            (c_time + c_ties + price * c_count) * 1e3,
+            integrality=integrality,
+            bounds=bounds,
+            constraints=constraints,
+            options=options,
+        )
+        step = float(c_step @ result.x)
+        if fewer.x is not None and float(c_step @ fewer.x) <= step * (1.0 + NEAR_EQUAL):
+            result = fewer
     elapsed = time.perf_counter() - start
     if result.x is None:
         if result.status == 2:  # infeasible

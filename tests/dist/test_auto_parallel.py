@@ -194,7 +194,7 @@ def test_boundaries_that_never_box_stop_being_followed() -> None:
     alone runs (its gradients all-reduced in the data-parallel buckets). The first step
     watches every boundary; none of them boxes, so from the second on none keeps its hooks,
     and steps 2 and 3 still run exactly the plan's collectives and equal one process.
-    (With the default prices the Megatron blocks' plan is sequence parallel, where
+    (Priced by bytes alone the Megatron blocks' plan is sequence parallel, where
     propagation all-reduces: test_megatron_plan_trains_like_one_process.)"""
     got = _check(get_pool(2).run(plan_and_train_job, "data"))
     _assert_follows({**got, "ran": [got["propagated"]]})  # propagation runs the plan's

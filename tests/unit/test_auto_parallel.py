@@ -113,13 +113,15 @@ def _mlp_model(blocks: int = 4, dim: int = 256, inner: int = 1024) -> nn.Module:
 
 
 def test_megatron_mlp_blocks_on_two_ranks() -> None:
-    """bench/tp's 4 MLP blocks (256 -> 1024 -> 256, 512 rows) on 2 ranks, batch broadcast:
-    the plan's parameters are Megatron's hand layout. Its activations are sequence
-    parallel: per block a reduce_scatter after ``down`` and an all_gather before ``up``
-    (the same bytes as Megatron's all_reduce; the norms and residual adds run on half the
-    rows), backward the reverse, except where the first block's input needs no gradient;
-    the norms' parameter gradients, partial, are all-reduced in one data-parallel bucket
-    (NOTE [bucketed gradients in the search]). No weight is gathered."""
+    """bench/tp's 4 MLP blocks (256 -> 1024 -> 256, 512 rows) on 2 ranks, batch broadcast,
+    default prices: the plan is Megatron's hand layout, and so are its activations: one
+    all_reduce per block forward and one backward, except where the first block's input
+    needs no gradient; the norms' parameter gradients, partial, are all-reduced in one
+    data-parallel bucket (NOTE [bucketed gradients in the search]). So it runs no more
+    collectives than the hand layout (8 all_reduces). The sequence-parallel variant (a
+    reduce_scatter and an all_gather per all_reduce, 15 collectives) is predicted 0.1%
+    faster, a near-equal plan with more collectives (NOTE [near-equal plans]). No weight is
+    gathered."""
     model = _mlp_model()
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(model, placement, torch.randn(512, 256), fixed={0: B})
@@ -131,14 +133,11 @@ def test_megatron_mlp_blocks_on_two_ranks() -> None:
     assert bucketed == sorted(
         f"{b}.norm.{w} gradient" for b in range(4) for w in ("weight", "bias")
     )
-    assert all(c.op == "all_reduce" for c in steps if c.parameter_gradient)
+    assert {(c.op, c.axes) for c in steps if c.parameter_gradient} == {("all_reduce", (0,))}
     ran = Counter((c.phase, c.op) for c in steps if not c.parameter_gradient)
-    assert ran == {
-        ("forward", "reduce_scatter"): 4,
-        ("forward", "all_gather"): 3,
-        ("backward", "all_gather"): 4,
-        ("backward", "reduce_scatter"): 3,
-    }
+    assert ran == {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 3}
+    hand_collectives = 2 * 4  # an all_reduce per block, forward and backward
+    assert sum(ran.values()) + 1 <= hand_collectives  # + the one bucket
     assert plan.num_tied > 0  # blocks 1-3 share block 0's decisions
 
 

@@ -206,3 +206,22 @@ def test_a_parameter_gradient_all_reduce_is_searched_as_in_a_bucket() -> None:
     assert searched == pytest.approx(alone - fixed * (1 - sent / (DEFAULT_BUCKET_CAP_MB * 2**20)))
     sharded = prices.gradient_boxing(shape, torch.float32, (P,), (split(0),))
     assert sharded == (prices.boxing(shape, torch.float32, (P,), (split(0),))[0], ())
+
+
+def test_a_gradient_of_a_bucket_or_more_is_searched_as_alone() -> None:
+    """A partial gradient of at least a bucket's bytes fills a data-parallel bucket of its
+    own: its all_reduce costs what it costs alone (one fixed cost, its bytes), is not marked
+    as sharing the first bucket, and counts as one collective of its own; a smaller one is
+    bucketed and counts none (the buckets' variable counts it)."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    prices = Prices(placement, None, None)
+    cap = DEFAULT_BUCKET_CAP_MB * 2**20
+    big = (int(cap // 4) // 512 * 2, 512)  # float32: two buckets' bytes, all of them sent
+    alone = prices.boxing(big, torch.float32, (P,), (B,))[0]
+    assert prices.gradient_boxing(big, torch.float32, (P,), (B,)) == (alone, ())
+    assert prices.collectives(big, torch.float32, (P,), (B,), parameter=True) == 1
+    small = (256, 1024)
+    assert prices.gradient_boxing(small, torch.float32, (P,), (B,))[1] == ((0,),)
+    assert prices.collectives(small, torch.float32, (P,), (B,), parameter=True) == 0
+    assert prices.collectives(small, torch.float32, (P,), (B,)) == 1
+    assert prices.collectives(small, torch.float32, (B,), (split(0),)) == 0  # a slice
