@@ -28,7 +28,9 @@
 # (e.g. a stage called twice) and is an error. Each worker runs in its
 # micro-batch's ``contextvars.Context`` (its scope and random stream) with the
 # runtime's grad mode and CPU autocast, and runs its backward passes on its own
-# thread (``torch.autograd.set_multithreading_enabled(False)``).
+# thread (``torch.autograd.set_multithreading_enabled(False)``). The threads are
+# kept from one step to the next (NOTE [worker threads kept across steps] in
+# _carriers.py), and passing the baton wakes only the thread that runs next.
 #
 # NOTE [weight pass on several stages]
 # The weight pass reuses what the input pass computed here too (NOTE [weight
@@ -69,6 +71,7 @@ from ...._global import GlobalTensor
 from ...._layout import Layout
 from ....comm._world import get_rank
 from ..schedules import Action, ActionKind
+from ._carriers import Carriers
 from ._passes import (
     Build,
     run_backward,
@@ -109,7 +112,8 @@ class Task:
         self.fwd_stage = -1  # the last held stage its forward entered
         self.done = False
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.wake: threading.Condition | None = None  # where its worker waits for the baton
+        self.finished: threading.Event | None = None  # set when its worker has returned
 
 
 class TaskScope(Scope):
@@ -119,17 +123,24 @@ class TaskScope(Scope):
 
 
 class Baton:
-    """Exactly one of the runtime's thread and the workers runs at a time."""
+    """Exactly one of the runtime's thread and the workers runs at a time.
 
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
+    Each waits on a condition of its own (over one lock), so passing the baton wakes the one
+    thread that runs next, not every parked worker; the workers run on ``carriers`` (NOTE
+    [worker threads kept across steps] in _carriers.py).
+    """
+
+    def __init__(self, carriers: Carriers) -> None:
+        self._lock = threading.Lock()
+        self._runtime = threading.Condition(self._lock)  # the runtime's thread waits here
         self._running: Task | None = None
         self._aborted = False
         self._tasks: list[Task] = []
+        self._carriers = carriers
 
     def grant(self, task: Task, action: Action) -> None:
         """Let ``task`` run ``action``; return when it parks or finishes (runtime's thread)."""
-        with self._cv:
+        with self._lock:
             if task.done:
                 raise RuntimeError(
                     f"the schedule runs {action}, but micro-batch {task.k}'s forward and backward "
@@ -145,19 +156,17 @@ class Baton:
             task.granted, task.need = action, None
             task.scope.action = action
             self._running = task
-            if task.thread is None:
+            if task.wake is None:
                 context = task.scope.mb.context
                 if task.scope.phase is Phase.WEIGHT:  # the micro-batch's second worker
                     context = context.copy()
                 task.scope.enter(context)
-                task.thread = threading.Thread(
-                    target=context.run, args=(self._work, task, _thread_state()), daemon=True
-                )
+                task.wake = threading.Condition(self._lock)
                 self._tasks.append(task)
-                task.thread.start()
+                task.finished = self._carriers.start(context.run, self._work, task, _thread_state())
             else:
-                self._cv.notify_all()
-            self._cv.wait_for(lambda: self._running is None)
+                task.wake.notify()
+            self._runtime.wait_for(lambda: self._running is None)
         if task.error is not None:
             error, task.error = task.error, None
             raise error
@@ -166,11 +175,12 @@ class Baton:
         """Park ``task`` until ``action`` is granted to it (its worker thread)."""
         if task.granted == action:
             return
-        with self._cv:
+        assert task.wake is not None
+        with self._lock:
             task.need = action
             self._running = None
-            self._cv.notify_all()
-            self._cv.wait_for(
+            self._runtime.notify()
+            task.wake.wait_for(
                 lambda: self._aborted or (self._running is task and task.granted == action)
             )
             if self._aborted:
@@ -178,12 +188,14 @@ class Baton:
 
     def abort(self) -> None:
         """Unwind every parked worker and wait for them (after a failure, or at the end)."""
-        with self._cv:
+        with self._lock:
             self._aborted = True
-            self._cv.notify_all()
+            for task in self._tasks:
+                assert task.wake is not None
+                task.wake.notify()
         for task in self._tasks:
-            assert task.thread is not None
-            task.thread.join(timeout=60)
+            assert task.finished is not None
+            task.finished.wait(timeout=60)
 
     def _work(self, task: Task, state: tuple[bool, bool, torch.dtype]) -> None:
         grad, autocast, dtype = state
@@ -199,12 +211,12 @@ class Baton:
         except BaseException as error:  # handed to the runtime's thread, which raises it
             task.error = error
         finally:
-            with self._cv:
+            with self._lock:
                 task.done = True
                 task.need = None
                 if self._running is task:
                     self._running = None
-                self._cv.notify_all()
+                self._runtime.notify()
 
 
 class _Workers:
@@ -244,9 +256,10 @@ def run_on_workers(
     stages: Sequence[Stage],
     recorder: Recorder,
     transfers: StepTransfers,
+    carriers: Carriers,
 ) -> None:
     """Several stages on this rank: grant each worker its actions in order (NOTE [several stages on a rank])."""
-    baton = Baton()
+    baton = Baton(carriers)
     workers = _Workers(baton, held)
     split = {a.microbatch for a in todo if a.kind in (_I, _W)}
     first_backward: dict[int, Action] = {}
@@ -317,7 +330,7 @@ def run_on_workers(
                 )
         unfinished = sorted(
             {t.k for t in mains if not t.done}
-            | {t.k for t in weights if t.k in split and not t.done and t.thread is not None}
+            | {t.k for t in weights if t.k in split and not t.done and t.wake is not None}
         )
         if unfinished:
             raise RuntimeError(
