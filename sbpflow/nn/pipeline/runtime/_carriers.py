@@ -12,8 +12,8 @@
 # its carriers: a worker runs on an idle one, or on a new one when all are busy (as many as
 # micro-batches are alive at once on the rank), and hands it back when its passes end. Each
 # pass restores the thread's grad mode and autocast state on its way out, so a carrier starts
-# every worker as a fresh thread would. The carriers end when the graph is collected (or at
-# exit): ``close`` wakes each idle one to return.
+# every worker as a fresh thread would. The carriers end when the graph is collected or at
+# exit, before the interpreter finalizes: ``close`` wakes each idle one to return, and waits.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class Carriers:
         return len(self._all)
 
     def close(self) -> None:
-        """End every carrier: the idle ones now, a busy one when its job returns."""
+        """End every carrier: the idle ones now (waited for, so that none is left when the
+        interpreter finalizes), a busy one when its job returns."""
         with self._lock:
             if self._closed:
                 return
@@ -101,3 +102,6 @@ class Carriers:
             free, self._free = self._free, []
         for carrier in free:
             carrier.put(_STOP)
+        for carrier in free:
+            if carrier.thread is not threading.current_thread():
+                carrier.thread.join(timeout=5)

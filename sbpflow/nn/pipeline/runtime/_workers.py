@@ -416,6 +416,12 @@ def run_on_workers(
         for handle in hooks:
             handle.remove()
         baton.abort()
+        for task in (*mains, *weights):  # a step's leftovers keep neither build nor its graph
+            task.body = _finished
+
+
+def _finished(task: Task) -> None:
+    raise AssertionError(f"micro-batch {task.k}'s worker ran after its step")
 
 
 def _reused_weight_pass(
