@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ from ..._global import GlobalTensor
 from ...env import get_rank
 from ._block import Block, BlockConfig
 from .runtime import (
+    Carriers,
     EarlyReceives,
     HeldElsewhere,
     HeldHere,
@@ -190,6 +192,7 @@ class Graph:
     _held_elsewhere: HeldElsewhere  # stand-ins of the stages other ranks hold
     _held_here: HeldHere  # this rank's stages that run on their pieces
     _early_receives: EarlyReceives  # the receives each action made, per kind of step
+    _carriers: Carriers  # the worker threads of a rank holding several stages
     _warned_no_stages: bool
     _schedules: dict[tuple[Any, ...], Schedule]  # built for (name, stages, ranks, micro-batches)
 
@@ -203,6 +206,9 @@ class Graph:
         object.__setattr__(self, "_held_elsewhere", HeldElsewhere())
         object.__setattr__(self, "_held_here", HeldHere())
         object.__setattr__(self, "_early_receives", EarlyReceives())
+        carriers = Carriers()  # NOTE [worker threads kept across steps]: end with the graph
+        object.__setattr__(self, "_carriers", carriers)
+        weakref.finalize(self, carriers.close)
         object.__setattr__(self, "_warned_no_stages", False)
         object.__setattr__(self, "_schedules", {})
 
@@ -300,6 +306,7 @@ class Graph:
                     self._held_elsewhere,
                     self._held_here,
                     self._early_receives,
+                    self._carriers,
                 )
                 object.__setattr__(self, "_last_step", record)
             else:

@@ -4,6 +4,7 @@ Only the stages this rank holds run here (NOTE [stages held elsewhere] in
 _held_elsewhere.py); the schedule (``..schedules``) says in which order.
 """
 
+from ._carriers import Carriers
 from ._compiled import compile_forwards
 from ._early import EarlyReceives
 from ._held_elsewhere import HeldElsewhere
@@ -14,6 +15,7 @@ from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_r
 from ._step import run_step
 
 __all__ = [
+    "Carriers",
     "EarlyReceives",
     "HeldElsewhere",
     "HeldHere",

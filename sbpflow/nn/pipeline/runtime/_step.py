@@ -41,6 +41,7 @@ from ...._global import GlobalTensor
 from ....comm._world import get_rank
 from ....placement import Placement
 from ..schedules import Action, ActionKind, Schedule, StepRecord
+from ._carriers import Carriers
 from ._early import EarlyReceives
 from ._held_elsewhere import HeldElsewhere
 from ._held_here import HeldHere
@@ -66,13 +67,17 @@ def run_step(
     held_elsewhere: HeldElsewhere,
     held_here: HeldHere,
     early_receives: EarlyReceives,
+    carriers: Carriers | None = None,
 ) -> tuple[list[Any], StepRecord]:
     """Run ``build`` on each micro-batch in ``schedule``'s order on this rank.
 
     ``contexts`` holds each micro-batch's ``contextvars.Context``. Returns
     ``build``'s outputs in micro-batch order and the record of what this rank
     ran. A rank holding no stage runs the micro-batches one after another (the
-    stages are all held elsewhere) and records nothing.
+    stages are all held elsewhere) and records nothing. ``carriers``: the worker
+    threads of a rank holding several stages, kept by the caller across steps
+    (NOTE [worker threads kept across steps] in _carriers.py); without them, the
+    step starts its own and ends them.
     """
     rank = get_rank()
     holder = next(
@@ -108,7 +113,12 @@ def run_step(
         torch.autograd.set_multithreading_enabled(False),  # NOTE [pipeline step context]
     ):
         if len(held) > 1:
-            run_on_workers(todo, mbs, build, held, stages, recorder, sends)
+            threads = carriers if carriers is not None else Carriers()
+            try:
+                run_on_workers(todo, mbs, build, held, stages, recorder, sends, threads)
+            finally:
+                if carriers is None:
+                    threads.close()
         else:
             scopes = [Scope(mb, sends) for mb in mbs]
             for mb, scope in zip(mbs, scopes, strict=True):
