@@ -3,9 +3,12 @@ steps] in sbpflow/nn/pipeline/runtime/_carriers.py), checked from the threads th
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import threading
+import types
 import weakref
+from typing import Any
 
 import pytest
 
@@ -72,3 +75,89 @@ def test_close_ends_every_thread_and_refuses_new_jobs() -> None:
     assert not seen[0].is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         carriers.start(_ran_on, seen)
+
+
+def _raise() -> None:
+    raise RuntimeError("a job whose own error handling failed")
+
+
+def test_a_carrier_whose_job_raised_is_never_handed_another() -> None:
+    """A job that raises ends its thread; the carrier leaves the pool, so the jobs after it
+    run on live threads instead of waiting on a dead one's queue forever."""
+    carriers = Carriers()
+    caught: list[BaseException] = []
+    previous_hook = threading.excepthook
+    threading.excepthook = lambda args: caught.append(args.exc_value)  # expected, not printed
+    try:
+        assert carriers.start(_raise).wait(10)
+        for carrier in list(carriers._all):
+            carrier.thread.join(timeout=10)
+        assert [type(e) for e in caught] == [RuntimeError]
+        seen: list[threading.Thread] = []
+        assert carriers.start(_ran_on, seen).wait(10)
+        assert carriers.start(_ran_on, seen).wait(10)
+        assert len(seen) == 2 and seen[0].is_alive()
+        assert carriers.num_threads == 1
+    finally:
+        threading.excepthook = previous_hook
+        carriers.close()
+
+
+class _NoSecondThread(Carriers):
+    """Carriers that cannot start a second worker (a thread or process limit reached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts = 0
+
+    def start(self, fn: Any, *args: Any) -> threading.Event:
+        self.starts += 1
+        if self.starts == 2:
+            raise RuntimeError("can't start new thread")
+        return super().start(fn, *args)
+
+
+def test_a_worker_that_cannot_start_is_an_error_not_a_hang() -> None:
+    """Micro-batch 0's worker parks and hands the baton straight to micro-batch 1's, whose
+    thread cannot start: the runtime's thread raises that error (before, it waited forever
+    for a worker that never ran), and unwinding the parked worker waits for it alone."""
+    from sbpflow.nn.pipeline.runtime._scope import Phase
+    from sbpflow.nn.pipeline.runtime._workers import Baton, Task
+    from sbpflow.nn.pipeline.schedules import Action, ActionKind
+
+    forward = ActionKind.FORWARD
+
+    def scope(k: int) -> Any:
+        context = contextvars.Context()
+        found = types.SimpleNamespace(
+            mb=types.SimpleNamespace(index=k, context=context), phase=Phase.IDLE, action=None
+        )
+        found.enter = lambda _context: None
+        return found
+
+    carriers = _NoSecondThread()
+    baton = Baton(carriers, [Action(forward, 0, 0), Action(forward, 0, 1)])
+
+    def first(task: Task) -> None:
+        task.fwd_stage = 0
+        baton.wait_for(task, Action(forward, 2, 0))  # parks: the baton passes to micro-batch 1
+
+    baton.plain(0, Task(scope(0), first))
+    baton.plain(1, Task(scope(1), lambda _task: None))
+    raised: list[BaseException] = []
+
+    def runtime() -> None:
+        try:
+            baton.run_chain(0)
+        except BaseException as error:  # reported below
+            raised.append(error)
+
+    thread = threading.Thread(target=runtime, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    try:
+        assert not thread.is_alive(), "the runtime's thread still waits for the worker"
+        assert [str(e) for e in raised] == ["can't start new thread"], raised
+        baton.abort()  # the parked worker unwinds
+    finally:
+        carriers.close()

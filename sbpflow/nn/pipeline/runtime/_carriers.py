@@ -48,12 +48,14 @@ class _Carrier:
             if job is _STOP:
                 return
             fn, args, finished = job
+            returned = False
             try:
                 fn(*args)
+                returned = True
             finally:
                 # An idle carrier holds nothing of its last job (its micro-batch, the graph).
                 del job, fn, args
-                self._owner._idle(self)
+                self._owner._idle(self, returned)
                 finished.set()
 
 
@@ -80,16 +82,20 @@ class Carriers:
         carrier.put((fn, args, finished))
         return finished
 
-    def _idle(self, carrier: _Carrier) -> None:
+    def _idle(self, carrier: _Carrier, returned: bool) -> None:
+        """``carrier``'s job ended; one that raised ends its thread, so it is never handed a
+        job again."""
         with self._lock:
-            if self._closed:
+            if not returned:
+                self._all.remove(carrier)
+            elif self._closed:
                 carrier.put(_STOP)
             else:
                 self._free.append(carrier)
 
     @property
     def num_threads(self) -> int:
-        """How many carriers were started (idle or busy)."""
+        """How many carriers are alive (idle or busy)."""
         return len(self._all)
 
     def close(self) -> None:

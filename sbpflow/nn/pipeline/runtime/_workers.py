@@ -235,8 +235,12 @@ class Baton:
                 context = context.copy()
             task.scope.enter(context)
             task.wake = threading.Condition(self._lock)
+            try:
+                task.finished = self._carriers.start(context.run, self._work, task, self._state)
+            except BaseException:  # no thread runs it: nothing to wake or wait for
+                task.wake = None
+                raise
             self._tasks.append(task)
-            task.finished = self._carriers.start(context.run, self._work, task, self._state)
         else:
             task.wake.notify()
 
@@ -254,8 +258,11 @@ class Baton:
                 following = self._todo[self._cursor + 1]
                 if not after.done and after.need in (None, following):
                     self._cursor, self._start = self._cursor + 1, end
-                    self._grant(after, following)
-                    return
+                    try:
+                        self._grant(after, following)
+                        return
+                    except BaseException as error:  # no worker could start: the runtime raises
+                        after.error = error
         self._running = None
         self._runtime.notify()
 
