@@ -48,9 +48,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -294,6 +296,12 @@ def _priced(
     )
 
 
+def _total(prices: Any, x: Any) -> float:
+    """The prices of the variables set in the solution ``x``, summed exactly (``math.fsum``):
+    the same on every machine, where a BLAS dot product's order of summation is not."""
+    return math.fsum(prices[x > 0.5].tolist())
+
+
 def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
     """Solve the program; ``None`` when no plan fits ``budget``.
 
@@ -482,7 +490,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     if result.x is not None and objective == "time":
         # NOTE [near-equal plans]: again, each collective priced at NEAR_EQUAL of the
         # fastest plan's searched seconds over that plan's collectives
-        searched, found = float(c_time @ result.x), float(c_count @ result.x)
+        searched, found = _total(c_time, result.x), _total(c_count, result.x)
         price = NEAR_EQUAL * searched / max(found, 1.0)
         fewer = milp(
             (c_time + c_ties + price * c_count) * 1e3,
@@ -491,8 +499,8 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             constraints=constraints,
             options=options,
         )
-        step = float(c_step @ result.x)
-        if fewer.x is not None and float(c_step @ fewer.x) <= step * (1.0 + NEAR_EQUAL):
+        step = _total(c_step, result.x)
+        if fewer.x is not None and _total(c_step, fewer.x) <= step * (1.0 + NEAR_EQUAL):
             result = fewer
     elapsed = time.perf_counter() - start
     if result.x is None:
