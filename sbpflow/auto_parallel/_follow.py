@@ -27,10 +27,11 @@ planned layouts.
 # the same layouts on every later step. Modules that did act keep their hooks.
 #
 # Inside a module, each op takes the strategy the plan gives it (NOTE [planned strategies]
-# in sbpflow/_propagation.py): while the model's forward runs, ``_Ops`` is the plan being
-# followed (``FOLLOWING`` in sbpflow/_decisions.py), and the dispatcher asks it, for each
-# call on global tensors, which planned op the call is. The forward runs its ops in the
-# order the step was captured in, so ``_Ops`` walks the captured ops with a cursor: a call
+# in sbpflow/_propagation.py): while the model's forward runs, a ``_Cursor`` over the plan's
+# ops (``_Ops``) is the plan being followed (``FOLLOWING`` in sbpflow/_decisions.py), and
+# the dispatcher asks it, for each call on global tensors, which planned op the call is.
+# The forward runs its ops in the order the step was captured in, so the cursor walks the
+# captured ops: a call
 # is the next captured op of the same name whose tensor arguments have the same shapes,
 # looked for among the next ``_LOOKAHEAD`` ones (the capture also holds ops on plain
 # tensors, which never reach the dispatcher). A call found nowhere there (another batch
@@ -41,8 +42,13 @@ planned layouts.
 # The backward is not matched op by op: it follows from the forward's layouts (an input a
 # planned op boxed gets its gradient boxed back, NOTE [gradient plan]). Autograd saves an
 # op's inputs as they were passed, before dispatch boxes them, so an op whose backward reads
-# an input the plan boxed boxes it again there, which the plan does not price. Captured ``sdpa`` (one fused call, several ATen ops at run time) and ops with no rule
-# are left to propagation.
+# an input the plan boxed boxes it again there, which the plan does not price. In the
+# forward too, each planned op boxes its own inputs: a tensor several ops of one module read
+# in the same boxed layout is boxed once per reader, where the plan counts it once (NOTE
+# [shared outputs] in _solve.py; readers in separate modules share their parent's boundary
+# instead). A call of the model from inside its own forward on the same thread is not
+# followed op by op. Captured ``sdpa`` (one fused call, several ATen ops at run time) and
+# ops with no rule are left to propagation.
 """
 
 from __future__ import annotations
@@ -157,7 +163,8 @@ _LOOKAHEAD = 32
 
 
 class _Ops:
-    """The plan's ops in the order the forward runs them, and how far this forward got."""
+    """The plan's ops in the order the forward runs them; each forward walks them with a
+    ``_Cursor`` of its own."""
 
     def __init__(self, placement: Placement, ops: Sequence[OpChoice]) -> None:
         interned: dict[tuple[Any, ...], Planned] = {}

@@ -148,7 +148,7 @@ def test_megatron_mlp_blocks_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> No
     assert fastest.param_sbp == plan.param_sbp  # the same weights' layouts
     more = [c for c in fastest.collectives() if c.is_collective and not c.parameter_gradient]
     assert len(more) > sum(ran.values()), Counter((c.phase, c.op) for c in more)
-    assert fastest.step_seconds < plan.step_seconds * 1.02
+    assert fastest.step_seconds <= plan.step_seconds <= fastest.step_seconds * 1.02
 
 
 def test_mlp_blocks_on_a_2x2_mesh_are_data_parallel_by_megatron() -> None:
@@ -517,10 +517,14 @@ def test_a_forward_that_never_stopped_leaves_no_plan_behind() -> None:
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(_mlp_model(blocks=1), placement, torch.randn(64, 256))
     ops = _Ops(placement, plan.ops)
-    ops.start()  # interrupted: no stop
-    ops.start()
-    ops.stop()
-    assert FOLLOWING.get() is None
+    token = FOLLOWING.set(None)  # whatever happens below, later tests follow no plan
+    try:
+        ops.start()  # interrupted: no stop
+        ops.start()
+        ops.stop()
+        assert FOLLOWING.get() is None
+    finally:
+        FOLLOWING.reset(token)
 
     both_started, errors = threading.Barrier(2), []
 
