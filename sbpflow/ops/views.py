@@ -318,12 +318,15 @@ def cat_rule(info: OpInfo) -> list[Strategy]:
     # legacy empty 1-D pieces (a fresh key/value cache): cat skips them, so they stay
     # broadcast while the other pieces keep their split or partial sum
     full = [meta.ndim == ndim for meta in info.inputs]
-    if all(full):
-        return _with_splits(info, [(d, d) for d in range(ndim) if d != dim])
     if any(not f and meta.shape != (0,) for f, meta in zip(full, info.inputs, strict=True)):
         return _passthrough(info)
-    pieces = [(Split(d), Split(d)) for d in range(ndim) if d != dim] + [(B, B), (P, P)]
-    return [Strategy(tuple(s if f else B for f in full), (out,)) for s, out in pieces]
+    strategies = _with_splits(info, [(d, d) for d in range(ndim) if d != dim])
+    if all(full):
+        return strategies
+    return [
+        Strategy(tuple(s if f else B for s, f in zip(st.inputs, full, strict=True)), st.outputs)
+        for st in strategies
+    ]
 
 
 @register(aten.stack.default, family="views")
