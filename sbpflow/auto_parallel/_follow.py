@@ -31,10 +31,9 @@ planned layouts.
 # ops (``_Ops``) is the plan being followed (``FOLLOWING`` in sbpflow/_decisions.py), and
 # the dispatcher asks it, for each call on global tensors, which planned op the call is.
 # The forward runs its ops in the order the step was captured in, so the cursor walks the
-# captured ops: a call
-# is the next captured op of the same name whose tensor arguments have the same shapes,
-# looked for among the next ``_LOOKAHEAD`` ones (the capture also holds ops on plain
-# tensors, which never reach the dispatcher). A call found nowhere there (another batch
+# captured ops: a call is the next captured op of the same name whose tensor arguments have
+# the same shapes, looked for among the next ``_LOOKAHEAD`` ones (the capture also holds ops
+# on plain tensors, which never reach the dispatcher). A call found nowhere there (another batch
 # shape, another branch of the model's control flow, an op sbpflow decomposes) is not the
 # plan's: it propagates as without a plan, and the cursor stays. Propagation takes a
 # planned strategy only where the op's rule offers it, so a call matched to the wrong op
@@ -180,27 +179,26 @@ class _Ops:
                 )
             self.entries.append((op.op, op.in_shapes, interned[key]))
         self.names: dict[Any, str] = {}
-        self.calls = threading.local()  # per thread: the tokens of the forwards running
+        self.calls = threading.local()  # per thread: the token of the forward running
 
     def start(self) -> None:
         """A forward of the model starts: follow the plan from its first op, with a cursor of
         its own (two threads running the model each have theirs)."""
-        tokens = self._tokens()
-        while tokens:  # a forward that never stopped (interrupted: hooks catch Exception only)
+        # a forward that never stopped (interrupted: module hooks catch Exception only)
+        stale = self._take_token()
+        if stale is not None:
             with contextlib.suppress(ValueError):  # set in another context: nothing to undo
-                FOLLOWING.reset(tokens.pop())
-        tokens.append(FOLLOWING.set(_Cursor(self).match))
+                FOLLOWING.reset(stale)
+        self.calls.token = FOLLOWING.set(_Cursor(self).match)
 
     def stop(self) -> None:
-        tokens = self._tokens()
-        if tokens:
-            FOLLOWING.reset(tokens.pop())
+        token = self._take_token()
+        if token is not None:
+            FOLLOWING.reset(token)
 
-    def _tokens(self) -> list[Any]:
-        tokens = getattr(self.calls, "tokens", None)
-        if tokens is None:
-            tokens = self.calls.tokens = []
-        return tokens
+    def _take_token(self) -> Any:
+        token, self.calls.token = getattr(self.calls, "token", None), None
+        return token
 
 
 class _Cursor:
