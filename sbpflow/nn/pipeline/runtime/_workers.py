@@ -164,6 +164,10 @@ class Baton:
         """``todo[index]`` is granted to ``task`` as it is: a worker may pass the baton on to it."""
         self._chain[index] = task
 
+    def is_plain(self, index: int) -> bool:
+        """Whether ``todo[index]`` is a plain grant (``plain``)."""
+        return index in self._chain
+
     def grant(self, task: Task, action: Action) -> None:
         """Let ``task`` run ``action``; return when it parks or finishes (runtime's thread)."""
         with self._lock:
@@ -189,7 +193,7 @@ class Baton:
         if task.error is not None:
             error, task.error = task.error, None
             raise error
-        if action.kind is _F and task.fwd_stage != action.stage:
+        if _missed_stage(task, action):
             raise RuntimeError(
                 f"the schedule ran {action}, but micro-batch {task.k}'s build did not enter stage "
                 f"{action.stage} on this rank (it last entered stage {task.fwd_stage}): the "
@@ -253,7 +257,7 @@ class Baton:
             if self._recorder is not None:
                 self._recorder.add(action, self._start, end)
             after = self._chain.get(self._cursor + 1)
-            ok = task.error is None and not (action.kind is _F and task.fwd_stage != action.stage)
+            ok = task.error is None and not _missed_stage(task, action)
             if ok and after is not None:
                 following = self._todo[self._cursor + 1]
                 if not after.done and after.need in (None, following):
@@ -378,16 +382,15 @@ def run_on_workers(
 
     mains = [task_for(mb, main_pass, Phase.IDLE) for mb in mbs]
     weights = [task_for(mb, rerun_backward, Phase.WEIGHT) for mb in mbs]
-    plain = set()  # the actions granted as they are: F, I, and B of a micro-batch not split
+    # granted as they are: F, I, and B of a micro-batch whose backward is not split
     for index, a in enumerate(todo):
         if not (a.kind is _W or (a.kind is _B and a.microbatch in split)):
-            plain.add(index)
             baton.plain(index, mains[a.microbatch])
     hooks = _stage_hooks(stages, held, workers)
     try:
         index = 0
         while index < len(todo):
-            if index in plain:  # it and the plain grants after it, passed on by the workers
+            if baton.is_plain(index):  # it and the plain grants after it, passed on by workers
                 index = baton.run_chain(index)
                 continue
             action = todo[index]
@@ -425,6 +428,12 @@ def run_on_workers(
         baton.abort()
         for task in (*mains, *weights):  # a step's leftovers keep neither build nor its graph
             task.body = _finished
+
+
+def _missed_stage(task: Task, action: Action) -> bool:
+    """Whether ``action``, a forward just run, did not enter its stage (``build`` did not
+    follow the schedule)."""
+    return action.kind is _F and task.fwd_stage != action.stage
 
 
 def _finished(task: Task) -> None:
