@@ -64,7 +64,6 @@ from ._strategies import Strategy, grad_target, is_view
 __all__ = [
     "Problem",
     "Solution",
-    "edge_seconds",
     "node_bytes",
     "output_seconds",
     "shared",
@@ -119,27 +118,6 @@ def node_bytes(node: Node, strategy: Strategy, problem: Problem) -> float:
             if (node.index, o) in problem.saved
         )
     return 0.0
-
-
-def edge_seconds(
-    graph: Graph,
-    prices: Prices,
-    producer: tuple[int, int],
-    out: tuple[NdSbp, NdSbp],
-    consumer: tuple[NdSbp, NdSbp],
-) -> tuple[float, float]:
-    """(forward, backward) boxing seconds of one producer-consumer edge.
-
-    ``out`` is the producer's (output layout, layout it needs the gradient in), ``consumer``
-    the consumer's (input layout, layout its backward gives the gradient in).
-    """
-    node = graph.nodes[producer[0]]
-    shape, dtype = node.out_shapes[producer[1]], node.out_dtypes[producer[1]]
-    forward = prices.boxing(shape, dtype, out[0], consumer[0])[0]
-    backward = 0.0
-    if node.requires_grad and dtype.is_floating_point:
-        backward = prices.boxing(shape, dtype, consumer[1], out[1])[0]
-    return forward, backward
 
 
 def output_seconds(
