@@ -27,6 +27,7 @@ each rank was doing.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import sysconfig
@@ -162,3 +163,26 @@ def named(op: str, ranks: Sequence[int]) -> Iterator[None]:
             f"sbpflow: {op} over ranks {list(ranks)} failed in {doing}, a collective: every rank "
             f"in it must reach it.{hint}{_doing()} Backend said: {text}"
         ) from error
+
+
+def gather_reports(topic: str, report: str, within: float) -> dict[int, str]:
+    """Every rank's ``report`` on ``topic``, through the store (a side channel: no
+    collective that a rank stuck elsewhere could cross). This rank's is set first; the
+    others' are those that arrived within ``within`` seconds (ranks missing then are left
+    out; 0: no wait). With one rank, or no store, only this rank's."""
+    store = default_store()
+    if store is None:
+        return {0 if not dist.is_initialized() else dist.get_rank(): report}
+    me, world = dist.get_rank(), dist.get_world_size()
+    keys = {rank: f"sbpflow/report/{topic}/{rank}" for rank in range(world)}
+    with contextlib.suppress(RuntimeError, OSError):
+        store.set(keys[me], report)
+        if within > 0:
+            with contextlib.suppress(RuntimeError, OSError):  # a timeout: take what arrived
+                store.wait(list(keys.values()), datetime.timedelta(seconds=within))
+    found = {}
+    for rank, key in keys.items():
+        with contextlib.suppress(RuntimeError, OSError):
+            if store.check([key]):
+                found[rank] = store.get(key).decode()
+    return found

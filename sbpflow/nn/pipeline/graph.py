@@ -70,6 +70,7 @@ from .runtime import (
     finish_streams,
     mean_outputs,
     microbatch_contexts,
+    refuse_if_out_of_step,
     run_step,
     split_microbatches,
     stage_ranks,
@@ -283,6 +284,8 @@ class Graph:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stages = self._stages()
         check_stages(stages)  # the same verdict on every rank, before any communication
+        if len(stages) > 1:
+            refuse_if_out_of_step()  # NOTE [a failed step's messages] in runtime/_transfers.py
         params = self._parameters()
         if not stages:
             self._warn_if_placed_like_stages(params)
@@ -293,7 +296,7 @@ class Graph:
         for p, _ in earlier:
             p.grad = None
         contexts = microbatch_contexts(num_microbatches)  # NOTE [micro-batch random streams]
-        with _stage_inputs(stages):
+        with _stage_inputs(stages), _gradients_kept_if_failed(params, earlier):
             if len(stages) > 1:
                 schedule = self.schedule()
                 self._early_receives.enabled = self.config.early_receives_enabled
@@ -444,6 +447,23 @@ def _average_grads(
                     grad.div_(n)
         for p, old in earlier:
             p.grad = old if p.grad is None else old.add_(p.grad)
+
+
+@contextlib.contextmanager
+def _gradients_kept_if_failed(
+    params: list[torch.Tensor], earlier: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
+    """When the step raises, leave each parameter's gradient as it was before the call: the
+    micro-batches that ran before the failure accumulated only part of the step's gradient,
+    which the next step would otherwise add to its own."""
+    try:
+        yield
+    except BaseException:
+        for p in params:
+            p.grad = None
+        for p, old in earlier:
+            p.grad = old
+        raise
 
 
 @contextlib.contextmanager

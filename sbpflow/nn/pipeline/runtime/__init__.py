@@ -13,6 +13,7 @@ from ._microbatch import MicroBatchArgs, mean_outputs, split_microbatches
 from ._scope import current_action, finish_streams, microbatch_contexts
 from ._stages import Stage, box_to_stage, check_stage_ids, check_stages, stage_ranks
 from ._step import run_step
+from ._transfers import refuse_if_out_of_step
 
 __all__ = [
     "Carriers",
@@ -29,6 +30,7 @@ __all__ = [
     "finish_streams",
     "mean_outputs",
     "microbatch_contexts",
+    "refuse_if_out_of_step",
     "run_step",
     "split_microbatches",
     "stage_ranks",
