@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import gc
+import os
 import threading
 import types
 import weakref
@@ -159,5 +160,32 @@ def test_a_worker_that_cannot_start_is_an_error_not_a_hang() -> None:
         assert not thread.is_alive(), "the runtime's thread still waits for the worker"
         assert [str(e) for e in raised] == ["can't start new thread"], raised
         baton.abort()  # the parked worker unwinds
+    finally:
+        carriers.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_forked_process_runs_its_jobs_on_threads_of_its_own() -> None:
+    """The child of a fork has none of the parent's carrier threads: a job it starts must run
+    (on a new thread of the child), not wait forever on a queue no thread reads."""
+    carriers = Carriers()
+    try:
+        assert carriers.start(_ran_on, []).wait(10)  # the parent now holds an idle carrier
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report whether its job ran, then leave at once
+            code = 1
+            try:
+                seen: list[threading.Thread] = []
+                ran = carriers.start(_ran_on, seen).wait(10)
+                code = 0 if ran and seen and seen[0] is not threading.current_thread() else 1
+            finally:
+                os.write(write, bytes([code]))
+                os._exit(code)
+        os.close(write)
+        answer = os.read(read, 1)
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        assert answer == b"\x00" and os.waitstatus_to_exitcode(status) == 0, (answer, status)
     finally:
         carriers.close()

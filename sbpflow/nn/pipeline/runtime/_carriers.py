@@ -14,10 +14,14 @@
 # pass restores the thread's grad mode and autocast state on its way out, so a carrier starts
 # every worker as a fresh thread would. The carriers end when the graph is collected or at
 # exit, before the interpreter finalizes: ``close`` wakes each idle one to return, and waits.
+# A process forked from one holding carriers has none of their threads (fork copies only the
+# thread that forks, and maybe a lock another thread held): its first job starts afresh,
+# with no carrier and a new lock.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -63,6 +67,7 @@ class Carriers:
     """The worker threads of one graph's steps (NOTE [worker threads kept across steps])."""
 
     def __init__(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._free: list[_Carrier] = []
         self._all: list[_Carrier] = []
@@ -72,6 +77,8 @@ class Carriers:
         """Run ``fn(*args)`` on an idle carrier (a new one if none is idle); the event is set
         when it returns."""
         finished = threading.Event()
+        if os.getpid() != self._pid:  # forked: the carriers' threads stayed in the parent
+            self._pid, self._lock, self._free, self._all = os.getpid(), threading.Lock(), [], []
         with self._lock:
             if self._closed:
                 raise RuntimeError("the pipeline's worker threads were closed with their graph.")
