@@ -515,9 +515,11 @@ def _within(path: str, module: str) -> bool:
 # (autograd saves the op's input as passed, split). ``fully_shard``'s runtime does the same
 # moves better: one all_gather per module, started one module ahead, and one flat
 # reduce_scatter overlapping the backward. So the plan lists such parameters by module
-# (``ShardedModule``) and ``Plan.apply`` hands them to that runtime, keeping them gathered
-# from the forward to the backward: what the plan prices (one all_gather forward, the
-# gathered weight held like the activations autograd keeps, one reduce_scatter backward).
+# (``ShardedModule``) and ``Plan.apply`` hands them to that runtime, which frees them after
+# the forward and gathers them again, one module ahead, for the backward: the plan counts
+# no memory for a gathered parameter (the view that reads it is not kept), so the peak stays
+# that of the op-by-op gathers, and the second all_gather, which the plan does not price
+# (as it did not price the op-by-op one), overlaps the backward of the module after it.
 # A parameter qualifies when it is one module's alone (not tied), no later axis splits its
 # dim (``fully_shard`` gathers on axis 0 alone, NOTE [fully sharded layouts] in
 # nn/parallel/_fsdp_param.py), and every reader inside that module reads it broadcast on

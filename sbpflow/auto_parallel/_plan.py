@@ -200,10 +200,11 @@ class Plan:
 
         Each module of ``fully_sharded`` (parameters stored split on the data axis and read
         whole) runs with ``fully_shard``'s runtime for those parameters, with or without
-        ``follow``: gathered in one all_gather before its forward (started one module
-        ahead), kept for its backward, gradients reduce-scattered back to the split; the
-        model's class then becomes a ``FSDPModule`` too. This is a collective call there:
-        every rank of the placement calls ``apply``.
+        ``follow``: gathered in one all_gather before its forward and again before its
+        backward (each started one module ahead), freed after each, gradients
+        reduce-scattered back to the split; the model's class then becomes a
+        ``FSDPModule`` too. This is a collective call there: every rank of the placement
+        calls ``apply``.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
@@ -243,12 +244,12 @@ class Plan:
                 name.removeprefix(prefix): dim
                 for name, dim in zip(sharded.params, sharded.dims, strict=True)
             }
-            # kept gathered for the backward, as the plan prices it (autograd keeps what
-            # the ops read): no second all_gather
-            _fully_shard(modules[sharded.module], self.placement, False, None, dims)
+            # freed after the forward and gathered again (one module ahead) for the
+            # backward: the plan counts no memory for the gathered parameters
+            _fully_shard(modules[sharded.module], self.placement, True, None, dims)
             roots = roots or not sharded.module
         if not roots:
-            _fully_shard(model, self.placement, False, None, {})
+            _fully_shard(model, self.placement, True, None, {})
 
     # -- inspecting -----------------------------------------------------------------
     def diff(
@@ -338,8 +339,8 @@ class Plan:
             lines += [f"      {c}" for c in once]
         if self.fully_sharded:
             lines.append(
-                "fully sharded modules (gathered before their forward, kept for their "
-                "backward, gradients reduce-scattered, by fully_shard's runtime):"
+                "fully sharded modules (gathered before their forward and their backward, "
+                "gradients reduce-scattered, by fully_shard's runtime):"
             )
             for sharded in self.fully_sharded:
                 lines.append(f"  {sharded.module or '(root)'}: " + ", ".join(sharded.params))

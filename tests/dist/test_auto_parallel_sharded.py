@@ -5,9 +5,9 @@ modules of a plan] in sbpflow/auto_parallel/_api.py), and training equals one pr
 The model is bench/auto_parallel's ``fsdp`` case: 4 blocks 64 -> 256 -> 64 over 4096 rows,
 a budget 20% of the parameter, gradient and AdamW state bytes below the replicated plan's
 footprint. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
-``fully_shard``'s: one all_gather per fully sharded module in the forward, none in the
-backward (the gathered weights are kept for it, as the plan prices them), one
-reduce_scatter per module; the rest is the data-parallel buckets' all_reduce.
+``fully_shard``'s: one all_gather per fully sharded module in the forward and one in the
+backward, one reduce_scatter per module, all issued by its runtime (not by the boxing of an
+op, which records a boxing plan); the rest is the data-parallel buckets' all_reduce.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+def _gathers(plan: Any) -> bool:
+    return any(step.op == "all_gather" for step in plan.steps)
+
+
 def sharded_plan_job() -> dict[str, Any]:
     placement = sbpflow.placement("cpu", [0, 1])
     torch.manual_seed(0)
@@ -66,7 +70,12 @@ def sharded_plan_job() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append((loss.item(), want.item()))
-        ran.append((dict(forward.collectives()), dict(backward.collectives())))
+        ran.append(
+            tuple(
+                (dict(t.collectives()), sum(len(p.steps) for p in t.plans if _gathers(p)))
+                for t in (forward, backward)
+            )
+        )
     errors, layouts = {}, {}
     for (name, got), want_p in zip(model.named_parameters(), reference.parameters(), strict=True):
         layouts[name] = sbp_str(got.sbp)
@@ -102,10 +111,11 @@ def test_budget_plan_runs_its_sharded_parameters_with_fully_shard() -> None:
         assert got["layouts"] == got["planned"], got
     assert first["split"], first["explain"]  # the budget forces sharding
     modules = first["modules"]
-    for step, (forward, backward) in enumerate(first["ran"]):
-        # one all_gather per fully sharded module, issued by its runtime before its
-        # forward; none inside the ops' backward (no re-gather of a split weight)
+    for step, ((forward, boxed_forward), (backward, boxed_backward)) in enumerate(first["ran"]):
+        # no op boxes a split weight to gather it, forward or backward: one all_gather per
+        # fully sharded module before its forward and its backward, by fully_shard's runtime
+        assert boxed_forward == boxed_backward == 0, (step, first["ran"])
         assert forward == {"all_gather": len(modules)}, (step, forward)
-        assert backward.get("all_gather", 0) == 0, (step, backward)
+        assert backward.get("all_gather") == len(modules), (step, backward)
         assert backward.get("reduce_scatter") == len(modules), (step, backward)
     assert first["fully_sharded"] == modules, first
