@@ -12,7 +12,7 @@ from ._api import auto_parallel, reprice
 from ._calibrate import calibrate_compute
 from ._costs import ComputeModel
 from ._follow import unfollow
-from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
+from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan, ShardedModule
 
 __all__ = [
     "Boundary",
@@ -22,6 +22,7 @@ __all__ = [
     "OpChoice",
     "ParamLayout",
     "Plan",
+    "ShardedModule",
     "auto_parallel",
     "calibrate_compute",
     "reprice",

@@ -11,7 +11,7 @@ from ..boxing.cost import CostModel
 from ..boxing.plan import BoxingStep, _fmt_bytes
 from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..placement import Placement
-from ..sbp import NdSbp, normalize, sbp_str
+from ..sbp import Broadcast, NdSbp, Partial, Split, normalize, sbp_str
 from ._capture import Graph, capture
 from ._costs import (
     BUCKET_CAP_BYTES,
@@ -21,7 +21,7 @@ from ._costs import (
     optimizer_ops,
     optimizer_states,
 )
-from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan
+from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan, ShardedModule
 from ._saved import saved_outputs
 from ._solve import Problem, Solution, node_bytes, output_seconds, solve
 from ._strategies import Strategy, strategies, unsupported
@@ -370,6 +370,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
     return Plan(
         bucket_savings_seconds=_bucket_savings(every, prices),
         boundaries=_boundaries(problem, solution, tuple(output_sbp)),
+        fully_sharded=_fully_sharded(problem, solution),
         placement=prices.placement,
         params=tuple(params),
         input_sbp=tuple(chosen(n).outputs[0] for n in graph.input_nodes),
@@ -504,3 +505,106 @@ def _boundaries(
 
 def _within(path: str, module: str) -> bool:
     return not module or path == module or path.startswith(module + ".")
+
+
+# NOTE [fully sharded modules of a plan]
+# A plan that stores a parameter split on the data axis (the placement's axis 0) and has
+# every op that reads it read it broadcast there (gathered whole right before use, its
+# gradient reduce-scattered back to the split) has chosen ZeRO-3 / FSDP for it. Boxed op
+# by op, that gather runs inside each reading op, synchronously, and again in the backward
+# (autograd saves the op's input as passed, split). ``fully_shard``'s runtime does the same
+# moves better: one all_gather per module, started one module ahead, and one flat
+# reduce_scatter overlapping the backward. So the plan lists such parameters by module
+# (``ShardedModule``) and ``Plan.apply`` hands them to that runtime, which frees them after
+# the forward and gathers them again, one module ahead, for the backward: the plan counts
+# no memory for a gathered parameter (the view that reads it is not kept), so the peak stays
+# that of the op-by-op gathers, and the second all_gather, which the plan does not price
+# (as it did not price the op-by-op one), overlaps the backward of the module after it.
+# A parameter qualifies when it is one module's alone (not tied), no later axis splits its
+# dim (``fully_shard`` gathers on axis 0 alone, NOTE [fully sharded layouts] in
+# nn/parallel/_fsdp_param.py), and every reader inside that module reads it broadcast on
+# axis 0, directly or through ops of one input that keep it split there (a transpose, a
+# view: those run on the gathered parameter, left to propagation). The module's other
+# parameters stay as planned. Layouts never change values, so this moves collectives only.
+
+
+def _fully_sharded(problem: Problem, solution: Solution) -> tuple[ShardedModule, ...]:
+    """The modules whose parameters the plan fully shards (NOTE [fully sharded modules of a
+    plan]), innermost first."""
+    graph = problem.graph
+
+    def chosen(n: int) -> Strategy:
+        rep = problem.reps[n]
+        return problem.choices[rep][solution.chosen[rep]]
+
+    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for node in graph.nodes:
+        for i, ref in enumerate(node.inputs):
+            readers.setdefault(ref, []).append((node.index, i))
+    names: dict[int, list[str]] = {}
+    for name, n in graph.param_nodes.items():
+        names.setdefault(n, []).append(name)
+    found: dict[str, list[tuple[str, int, list[int]]]] = {}
+    for n, tied in names.items():
+        layout = chosen(n).outputs[0]
+        data = layout[0]
+        if (
+            len(tied) != 1
+            or not isinstance(data, Split)
+            or any(isinstance(s, Split) and s.dim == data.dim for s in layout[1:])
+            or any(isinstance(s, Partial) for s in layout)
+        ):
+            continue
+        module = tied[0].rpartition(".")[0]
+        between = _read_whole(graph, readers, chosen, n, module)
+        if between is not None:
+            found.setdefault(module, []).append((tied[0], data.dim, between))
+    sharded = []
+    for module, params in found.items():
+        dtypes = {graph.nodes[graph.param_nodes[name]].out_dtypes[0] for name, _, _ in params}
+        if len(dtypes) > 1:  # fully_shard moves one module's parameters in one dtype
+            continue
+        sharded.append(
+            ShardedModule(
+                module,
+                tuple(name for name, _, _ in params),
+                tuple(dim for _, dim, _ in params),
+                tuple(sorted(i for _, _, ops in params for i in ops)),
+            )
+        )
+    return tuple(sorted(sharded, key=lambda m: (-m.module.count(".") - bool(m.module), m.module)))
+
+
+def _read_whole(
+    graph: Graph,
+    readers: dict[tuple[int, int], list[tuple[int, int]]],
+    chosen: Callable[[int], Strategy],
+    param: int,
+    module: str,
+) -> list[int] | None:
+    """The ops between parameter node ``param`` and its readers, if every reader is inside
+    ``module`` and reads it broadcast on axis 0; None if some reader computes with it split
+    there, or nothing reads it."""
+    between: list[int] = []
+    pending = [(param, 0)]
+    if not readers.get(pending[0]):
+        return None
+    while pending:
+        for v, i in readers.get(pending.pop(), []):
+            node = graph.nodes[v]
+            if node.kind != "op" or not _within(node.module, module):
+                return None
+            strategy = chosen(v)
+            if isinstance(strategy.inputs[i][0], Broadcast):
+                continue
+            if (
+                len(node.inputs) == 1
+                and len(node.out_shapes) == 1
+                and isinstance(strategy.outputs[0][0], Split)
+                and readers.get((v, 0))
+            ):
+                between.append(v)
+                pending.append((v, 0))
+                continue
+            return None
+    return between

@@ -47,14 +47,17 @@ planned layouts.
 # [shared outputs] in _solve.py; readers in separate modules share their parent's boundary
 # instead). A call of the model from inside its own forward on the same thread is not
 # followed op by op. Captured ``sdpa`` (one fused call, several ATen ops at run time) and
-# ops with no rule are left to propagation.
+# ops with no rule are left to propagation, and so are the ops between a fully sharded
+# parameter and its readers (NOTE [fully sharded modules of a plan] in _api.py: they get
+# the gathered parameter, not the split one the plan laid them out for), though the
+# cursor still walks past them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -165,12 +168,17 @@ class _Ops:
     """The plan's ops in the order the forward runs them; each forward walks them with a
     ``_Cursor`` of its own."""
 
-    def __init__(self, placement: Placement, ops: Sequence[OpChoice]) -> None:
+    def __init__(
+        self, placement: Placement, ops: Sequence[OpChoice], free: Collection[int] = ()
+    ) -> None:
         interned: dict[tuple[Any, ...], Planned] = {}
-        self.entries: list[tuple[str, tuple[tuple[int, ...], ...], Planned]] = []
+        self.entries: list[tuple[str, tuple[tuple[int, ...], ...], Planned | None]] = []
         for op in ops:
             if op.fallback or op.op == SDPA or len(op.in_shapes) != len(op.inputs):
                 continue  # left to propagation
+            if op.index in free:  # matched, so that the cursor moves past it, then propagated
+                self.entries.append((op.op, op.in_shapes, None))
+                continue
             key = (op.inputs, op.outputs)
             if key not in interned:
                 interned[key] = Planned(
@@ -245,9 +253,11 @@ def follow(
     placement: Placement,
     boundaries: Sequence[Boundary],
     ops: Sequence[OpChoice] = (),
+    free: Collection[int] = (),
 ) -> None:
     """Install the hooks that follow the plan on ``model`` (replacing earlier ones): each op
-    takes its planned strategy, each module boundary boxes to its planned layouts."""
+    takes its planned strategy (but those of ``free``, by index: propagated), each module
+    boundary boxes to its planned layouts."""
     unfollow(model)
     state = _Boundaries(placement, boundaries)
     by_module: dict[str, list[Any]] = {}
@@ -280,7 +290,7 @@ def follow(
 
     # runs before the boundary hooks of the root (registered after them, but prepended)
     pruner = model.register_forward_pre_hook(prune, prepend=True)
-    following = _Ops(placement, ops)
+    following = _Ops(placement, ops, free)
 
     def start(_m: Any, _args: Any) -> None:
         if not torch.compiler.is_compiling():

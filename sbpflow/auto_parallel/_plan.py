@@ -17,7 +17,7 @@ from ..boxing.plan import _fmt_bytes, _fmt_seconds
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize, sbp_str
 
-__all__ = ["Boundary", "Collective", "Memory", "OpChoice", "ParamLayout", "Plan"]
+__all__ = ["Boundary", "Collective", "Memory", "OpChoice", "ParamLayout", "Plan", "ShardedModule"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,23 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class ShardedModule:
+    """A module whose parameters ``params`` the plan stores split on the data axis (axis 0)
+    and reads whole where they are used: ``apply`` runs them with ``fully_shard``'s runtime
+    (NOTE [fully sharded modules of a plan] in _api.py).
+
+    ``params`` are full names, ``dims`` the dim each is split on; ``ops`` the indices of the
+    ops between a parameter and its readers (a transpose, a view), which run on the
+    gathered parameter instead of their planned layouts.
+    """
+
+    module: str
+    params: tuple[str, ...]
+    dims: tuple[int, ...]
+    ops: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Memory:
     """Predicted bytes per rank, all held at once (an upper bound on the peak)."""
 
@@ -137,6 +154,8 @@ class Plan:
     # of boxing_seconds, what data-parallel buckets save by all-reducing parameter
     # gradients together (NOTE [bucketed gradients] in _api.py; not part of the search)
     bucket_savings_seconds: float = 0.0
+    # modules run with fully_shard's gather and reduction (innermost first)
+    fully_sharded: tuple[ShardedModule, ...] = ()
 
     @property
     def step_seconds(self) -> float:
@@ -178,6 +197,14 @@ class Plan:
         says (NOTE [following the plan] in _follow.py);
         ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
         ``follow=False`` sets the parameters only.
+
+        Each module of ``fully_sharded`` (parameters stored split on the data axis and read
+        whole) runs with ``fully_shard``'s runtime for those parameters, with or without
+        ``follow``: gathered in one all_gather before its forward and again before its
+        backward (each started one module ahead), freed after each, gradients
+        reduce-scattered back to the split; the model's class then becomes a
+        ``FSDPModule`` too. This is a collective call there: every rank of the placement
+        calls ``apply``.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
@@ -189,12 +216,40 @@ class Plan:
                 f"{missing}, not in the plan: {extra}); apply it to the model it was made for."
             )
         whole = (broadcast,) * self.placement.ndim
-        model.to_global(self.placement, lambda name, _t: planned.get(name, whole))  # type: ignore[operator]
+        layouts = dict(planned)
+        for sharded in self.fully_sharded:  # fully_shard takes them whole on the data axis
+            for name in sharded.params:
+                layouts[name] = (broadcast, *planned[name][1:])
+        model.to_global(self.placement, lambda name, _t: layouts.get(name, whole))  # type: ignore[operator]
+        if self.fully_sharded:
+            self._fully_shard(model)
         if follow:
             from ._follow import follow as install
 
-            install(model, self.placement, self.boundaries, self.ops)
+            free = {i for sharded in self.fully_sharded for i in sharded.ops}
+            install(model, self.placement, self.boundaries, self.ops, free)
         return model
+
+    def _fully_shard(self, model: torch.nn.Module) -> None:
+        """``fully_shard``'s runtime on each module of ``fully_sharded`` for the planned
+        parameters, and on the model with none of its own, so that the modules share one
+        step (each gathers the next one ahead, NOTE [prefetch] in nn/parallel/_fsdp_state)."""
+        from ..nn.parallel.fsdp import _fully_shard
+
+        modules = dict(model.named_modules())
+        roots = False
+        for sharded in self.fully_sharded:
+            prefix = sharded.module + "." if sharded.module else ""
+            dims = {
+                name.removeprefix(prefix): dim
+                for name, dim in zip(sharded.params, sharded.dims, strict=True)
+            }
+            # freed after the forward and gathered again (one module ahead) for the
+            # backward: the plan counts no memory for the gathered parameters
+            _fully_shard(modules[sharded.module], self.placement, True, None, dims)
+            roots = roots or not sharded.module
+        if not roots:
+            _fully_shard(model, self.placement, True, None, {})
 
     # -- inspecting -----------------------------------------------------------------
     def diff(
@@ -282,6 +337,13 @@ class Plan:
         if once:
             lines.append("outputs read by several ops (boxed once for all of them):")
             lines += [f"      {c}" for c in once]
+        if self.fully_sharded:
+            lines.append(
+                "fully sharded modules (gathered before their forward and their backward, "
+                "gradients reduce-scattered, by fully_shard's runtime):"
+            )
+            for sharded in self.fully_sharded:
+                lines.append(f"  {sharded.module or '(root)'}: " + ", ".join(sharded.params))
         if self.fallback_ops:
             lines.append(
                 "ops with no rule (computed broadcast on every rank): "

@@ -161,6 +161,20 @@ def fully_shard(
             "mp_policy must be an sbpflow.nn.parallel.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}: {mp_policy!r}."
         )
+    return _fully_shard(module, placement, reshard_after_forward, mp_policy, None)
+
+
+def _fully_shard(
+    module: M,
+    placement: Placement | None,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+    dims: dict[str, int] | None,
+) -> M:
+    """``fully_shard`` with its arguments checked. ``dims`` (None: every parameter, each on
+    ``shard_dim``'s dim) names the parameters to shard, by their names in ``module``, with
+    the dim each is split on: the others stay as they are (an auto_parallel plan's fully
+    sharded modules, NOTE [fully sharded modules of a plan] in sbpflow/auto_parallel/_api.py)."""
     if STATE_ATTR in module.__dict__:
         raise ValueError(
             f"fully_shard was already called on this {_original_class(module).__name__}; call "
@@ -168,6 +182,8 @@ def fully_shard(
             "per module (each block, then the root)."
         )
     entries = _unmanaged_params(module)
+    if dims is not None:
+        entries = [e for e in entries if e.name in dims]
     placement = _resolve_placement(placement, entries)
     _check(entries, placement)
     for entry in entries:
@@ -179,7 +195,7 @@ def fully_shard(
     precision = _resolve_precision(mp_policy, entries)
     params = []
     for entry in entries:
-        sharded = _shard(entry, placement)
+        sharded = _shard(entry, placement, None if dims is None else dims[entry.name])
         if sharded is None:
             continue
         param, dim = sharded
@@ -325,15 +341,19 @@ def _resolve_precision(
     )
 
 
-def _shard(entry: _Entry, placement: Placement) -> tuple[GlobalTensor, int] | None:
-    """Make ``entry`` a global parameter split on the data axis; None where it cannot be
-    (NOTE [fully sharded layouts]: it stays broadcast, data parallel)."""
+def _shard(
+    entry: _Entry, placement: Placement, dim: int | None = None
+) -> tuple[GlobalTensor, int] | None:
+    """Make ``entry`` a global parameter split on the data axis (on ``dim``, or else
+    ``shard_dim``'s); None where it cannot be (NOTE [fully sharded layouts]: it stays
+    broadcast, data parallel)."""
     t = entry.tensor
     requires_grad = t.requires_grad
     if not isinstance(t, GlobalTensor):
         t = to_global(t.detach(), placement, (Broadcast(),) * placement.ndim)
     layout = t._layout
-    dim = shard_dim(layout, t.ndim)
+    if dim is None:
+        dim = shard_dim(layout, t.ndim)
     if dim is None or placement.shape[DATA_AXIS] == 1:
         _replace(entry, t)
         return None

@@ -1,0 +1,121 @@
+"""An auto_parallel plan under a memory budget on 2 ranks: the parameters it stores split on
+the data axis and reads whole run with ``fully_shard``'s runtime (NOTE [fully sharded
+modules of a plan] in sbpflow/auto_parallel/_api.py), and training equals one process.
+
+The model is bench/auto_parallel's ``fsdp`` case: 4 blocks 64 -> 256 -> 64 over 4096 rows,
+a budget 20% of the parameter, gradient and AdamW state bytes below the replicated plan's
+footprint. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
+``fully_shard``'s: one all_gather per fully sharded module in the forward and one in the
+backward, one reduce_scatter per module, all issued by its runtime (not by the boxing of an
+op, which records a boxing plan); the rest is the data-parallel buckets' all_reduce.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from sbpflow.nn.parallel import FSDPModule
+from sbpflow.sbp import Split, broadcast, sbp_str
+from sbpflow.testing import get_pool
+
+_STEPS = 3
+_TOL = 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, inner)
+        self.down = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _gathers(plan: Any) -> bool:
+    return any(step.op == "all_gather" for step in plan.steps)
+
+
+def sharded_plan_job() -> dict[str, Any]:
+    placement = sbpflow.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[Block(64, 256) for _ in range(4)])
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
+    replicated = sbpflow.auto_parallel(reference, placement, x)
+    state = replicated.memory.peak - replicated.memory.activations
+    budget = replicated.memory.peak - 0.2 * state
+    plan = sbpflow.auto_parallel(reference, placement, x, memory_budget=budget)
+    model = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # made before apply
+    assert plan.apply(model) is model
+    gx = x.to_global(placement, broadcast).to_global(sbp=plan.input_sbp[0])
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, ran = [], []
+    for _ in range(_STEPS):
+        want = reference(x).pow(2).mean()
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with sbpflow.boxing.trace() as forward:
+            loss = model(gx).pow(2).mean()
+        with sbpflow.boxing.trace() as backward:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((loss.item(), want.item()))
+        ran.append(
+            tuple(
+                (dict(t.collectives()), sum(len(p.steps) for p in t.plans if _gathers(p)))
+                for t in (forward, backward)
+            )
+        )
+    errors, layouts = {}, {}
+    for (name, got), want_p in zip(model.named_parameters(), reference.parameters(), strict=True):
+        layouts[name] = sbp_str(got.sbp)
+        whole = got.to_global(sbp=broadcast).to_local().detach()
+        error = (whole - want_p.detach()).abs().max().item()
+        if error > _TOL:
+            errors[name] = error
+    split = sorted(n for n, sbp in plan.param_sbp.items() if isinstance(sbp[0], Split))
+    modules = sorted({n.rpartition(".")[0] for n in split})
+    named = dict(model.named_modules())
+    return {
+        "explain": plan.explain(),
+        "planned": {n: sbp_str(s) for n, s in plan.param_sbp.items()},
+        "layouts": layouts,
+        "losses": losses,
+        "errors": errors,
+        "ran": ran,
+        "split": split,
+        "modules": modules,
+        "fully_sharded": [m for m in modules if isinstance(named[m], FSDPModule)],
+    }
+
+
+def test_budget_plan_runs_its_sharded_parameters_with_fully_shard() -> None:
+    results = get_pool(2).run(sharded_plan_job)
+    first = results[0]
+    for rank, got in enumerate(results):
+        assert got["explain"] == first["explain"], f"rank {rank} made another plan"
+        for step, (loss, want) in enumerate(got["losses"]):
+            assert abs(loss - want) <= _TOL * max(1.0, abs(want)), (rank, step, loss, want)
+        assert not got["errors"], f"rank {rank}: parameters differ from one process: {got}"
+        # the parameters run as the plan lays them out, and some are stored split
+        assert got["layouts"] == got["planned"], got
+    assert first["split"], first["explain"]  # the budget forces sharding
+    modules = first["modules"]
+    for step, ((forward, boxed_forward), (backward, boxed_backward)) in enumerate(first["ran"]):
+        # no op boxes a split weight to gather it, forward or backward: one all_gather per
+        # fully sharded module before its forward and its backward, by fully_shard's runtime
+        assert boxed_forward == boxed_backward == 0, (step, first["ran"])
+        assert forward == {"all_gather": len(modules)}, (step, forward)
+        assert backward.get("all_gather") == len(modules), (step, backward)
+        assert backward.get("reduce_scatter") == len(modules), (step, backward)
+    assert first["fully_sharded"] == modules, first

@@ -1,0 +1,82 @@
+"""Which modules an auto_parallel plan runs fully sharded (NOTE [fully sharded modules of a
+plan] in sbpflow/auto_parallel/_api.py), in one process: plans made on meta tensors.
+
+The expected sets are read from the plan's own layouts, independently of the detection: a
+parameter stored split on the data axis whose every reader reads it broadcast there is
+fully sharded; one a reader computes with split (Megatron's layout) is not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbpflow
+from sbpflow.sbp import Broadcast, Split, broadcast
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, inner)
+        self.down = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _blocks(dim: int, inner: int, rows: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(dim, inner) for _ in range(4)])
+    return model, torch.randn(rows, dim)
+
+
+def _split_on_data_axis(plan: sbpflow.auto_parallel.Plan) -> dict[str, int]:
+    return {n: sbp[0].dim for n, sbp in plan.param_sbp.items() if isinstance(sbp[0], Split)}
+
+
+def test_a_budget_plan_runs_its_split_weights_fully_sharded() -> None:
+    placement = sbpflow.placement("cpu", [0, 1])
+    model, x = _blocks(64, 256, 4096)
+    replicated = sbpflow.auto_parallel(model, placement, x)
+    assert replicated.fully_sharded == ()  # nothing split: data parallel
+    state = replicated.memory.peak - replicated.memory.activations
+    plan = sbpflow.auto_parallel(
+        model, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
+    )
+    split = _split_on_data_axis(plan)
+    assert split, plan.explain()  # the budget forces sharding
+    # every split weight feeds its Linear through a transpose that keeps it split, and the
+    # addmm reads the transpose broadcast: gathered whole right before use
+    for op in plan.ops:
+        if op.op == "aten.addmm.default" and op.module in {n.rpartition(".")[0] for n in split}:
+            assert isinstance(op.inputs[2][0], Broadcast), op
+    got = {
+        name: dim
+        for sharded in plan.fully_sharded
+        for name, dim in zip(sharded.params, sharded.dims, strict=True)
+    }
+    assert got == split
+    assert [m.module for m in plan.fully_sharded] == sorted({n.rpartition(".")[0] for n in split})
+    # the transposes between them and their readers are left to propagation
+    transposes = [op.index for op in plan.ops if op.op == "aten.t.default"]
+    for sharded in plan.fully_sharded:
+        assert len(sharded.ops) == len(sharded.params) and set(sharded.ops) <= set(transposes)
+    assert "fully sharded modules" in plan.explain()
+    # the same plan on every call
+    again = sbpflow.auto_parallel(
+        model, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
+    )
+    assert again.fully_sharded == plan.fully_sharded
+
+
+def test_weights_computed_with_split_are_not_fully_sharded() -> None:
+    """Megatron's layout (the batch broadcast): the split weights are read split."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    model, x = _blocks(256, 1024, 512)
+    plan = sbpflow.auto_parallel(model, placement, x, fixed={0: broadcast})
+    assert _split_on_data_axis(plan), plan.explain()
+    assert plan.fully_sharded == ()
+    assert "fully sharded modules" not in plan.explain()
