@@ -17,6 +17,7 @@
 #   - every other argument is a Python ``float``, ``int`` or ``bool``, positional or one of
 #     the op's scalar keywords; an out-of-place op's operands are contiguous (the result's
 #     logical strides are then the operands');
+#   - the sizes are plain integers (symbolic ones, from a dynamic-shape trace, are not);
 #   - no plan is being followed (``FOLLOWING``), and autograd records nothing (grad mode off
 #     or no operand requiring grad: a recorded op keeps its gradient plan, NOTE [gradient
 #     plan]).
@@ -73,9 +74,10 @@ _qualifies: BoundedDict[Any, int] = BoundedDict("same-layout pointwise metas", Q
 def _kind(meta: Any) -> int:
     found = _qualifies.get(meta)
     if found is None:
-        if not meta.dtype.is_floating_point or meta.layout.has_partial:
+        symbolic = any(type(n) is not int for n in (*meta.shape, *meta.strides))
+        if symbolic or not meta.dtype.is_floating_point or meta.layout.has_partial:
             found = _NO
-        elif meta.strides == _global.meta_of(meta.layout, meta.shape, meta.dtype).strides:
+        elif meta.strides == _global._contiguous_strides(meta.shape):
             found = _ANY
         else:
             found = _IN_PLACE_ONLY
