@@ -20,7 +20,9 @@
 #    layout: only strategies that leave it as it is qualify. The decision is
 #    made and cached by the propagator (NOTE [decide, then run] in
 #    _decisions) and run here. A repeated call that boxes nothing skips all of
-#    2-3 (NOTE [fast path]).
+#    2-3 (NOTE [fast path]); before that, an optimizer's pointwise op on
+#    operands of one layout goes straight to the pieces (NOTE [same-layout
+#    pointwise] in _dispatch_pointwise).
 # 4. An op with no rule (or no strategy keeping a written input's layout)
 #    falls back to the all-broadcast decision, run by the same runner: every
 #    input boxed to broadcast, the op computed locally, results written back
@@ -45,6 +47,7 @@ from . import ops as _rule_families  # noqa: F401  (importing it registers every
 from ._bounded import BoundedDict
 from ._decisions import FOLLOWING, Decision, Propagator, call_key, metadata_of, run_meta_kernel
 from ._devices import move_to_device
+from ._dispatch_pointwise import SAME_LAYOUT_OPS, same_layout
 from ._gradient_hooks import apply_gradient_plan
 from ._layout import Layout
 from ._lazy_bits import resolve_arguments
@@ -334,6 +337,7 @@ def _fast_gradients(decision: Decision, args: tuple[Any, ...]) -> GradientPlan |
 
 
 special(*foreach_overloads())(on_pieces)
+special(*SAME_LAYOUT_OPS)(same_layout)  # NOTE [same-layout pointwise]
 
 
 @special(aten.detach.default, aten.alias.default)

@@ -19,7 +19,10 @@ Sequences of 128 tokens, 4 per rank (data parallel: split on dim 0; tensor paral
 same 4 on both ranks).
 
 Suites (torch peer first; the ratio column is each variant's median over the peer's, and in
-eager mode the "/ floor" column its median over the floor's):
+eager mode the "/ floor" column its median over the floor's; "CPU ms" the median over runs of
+each run's median CPU time per step, ``time.process_time`` of the slower rank's process with
+gloo's threads, which other processes on a shared machine disturb far less than the wall
+time, and "CPU ratio" that over the peer's):
 
 - **dp-gpt2**, **dp-llama**: torch DDP; the floor; sbpflow global DP
   (``model.to_global(P, broadcast)``, batch ``split(0)``); compiled: ``torch.compile(DDP)``
@@ -250,15 +253,16 @@ def _worker(
         if failed.item() and name in steps:
             steps.pop(name)
             errors[name] = "failed on another rank"
-    times, _ = interleaved_step_times(steps, WARMUP, reps) if steps else ({}, {})
+    times, cpu = interleaved_step_times(steps, WARMUP, reps) if steps else ({}, {})
     if rank == 0:
-        queue.put(({n: statistics.median(t) for n, t in times.items()}, errors))
+        medians = {n: statistics.median(t) for n, t in times.items()}
+        queue.put((medians, errors, {n: statistics.median(t) for n, t in cpu.items()}))
     dist.barrier()
 
 
 def _one_run(
     suite: str, compiled: bool, foreach: bool | None, reps: int
-) -> tuple[dict[str, float], dict[str, str]]:
+) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
         _worker,
@@ -307,10 +311,13 @@ def main() -> None:
         f"median step time (ms) of each run, then the median of the {args.runs} runs' medians; "
         "ratio: the variant's over the torch peer's (first row of each group); / floor: the "
         "variant's over the floor's (eager: the same layout by hand on the minimal subclass); "
+        "CPU ms: the step's CPU time (the process's, gloo's threads included), median of the "
+        "runs' medians, and its ratio to the peer's; "
         "load: the 1-minute load average at the start of each run.",
         "",
-        "| suite | mode | variant | ms per run | median ms | ratio | / floor | load per run |",
-        "|---|---|---|---|---:|---:|---:|---|",
+        "| suite | mode | variant | ms per run | median ms | ratio | / floor | CPU ms | CPU ratio "
+        "| load per run |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for suite in args.suites.split(","):
         for compiled, foreach in [
@@ -325,22 +332,27 @@ def main() -> None:
                 loads.append(f"{os.getloadavg()[0]:.1f}")
                 runs.append(_one_run(suite, compiled, foreach or None, args.reps))
             mode = ("compiled" if compiled else "eager") + (", foreach AdamW" if foreach else "")
-            names = list(dict.fromkeys(n for times, errors in runs for n in [*times, *errors]))
-            per_run = {n: [times[n] for times, _ in runs if n in times] for n in names}
+            names = list(dict.fromkeys(n for times, errors, _ in runs for n in [*times, *errors]))
+            per_run = {n: [times[n] for times, _, _ in runs if n in times] for n in names}
             middles = {n: statistics.median(t) for n, t in per_run.items() if t}
-            peer, floor = None, middles.get("floor")
+            cpu = {
+                n: statistics.median([c[n] for _, _, c in runs if n in c]) for n in middles
+            }  # the median over runs of each run's median CPU time per step
+            peer, floor, cpu_peer = None, middles.get("floor"), None
             for name in names:
-                error = next((errors[name] for _, errors in runs if name in errors), None)
+                error = next((errors[name] for _, errors, _ in runs if name in errors), None)
                 if error or name not in middles:
-                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | | | |")
+                    lines.append(f"| {suite} | {mode} | {name} | failed: {error} | | | | | | |")
                     continue
                 middle = middles[name]
                 peer = middle if peer is None else peer
+                cpu_peer = cpu[name] if cpu_peer is None else cpu_peer
                 each = ", ".join(f"{t:.1f}" for t in per_run[name])
                 over_floor = f"{middle / floor:.2f}" if floor else ""
                 lines.append(
                     f"| {suite} | {mode} | {name} | {each} | {middle:.1f} | {middle / peer:.2f} "
-                    f"| {over_floor} | {', '.join(loads)} |"
+                    f"| {over_floor} | {cpu[name]:.1f} | {cpu[name] / cpu_peer:.2f} "
+                    f"| {', '.join(loads)} |"
                 )
                 print(lines[-1], flush=True)
     lines += ["", f"Load average at the end: {os.getloadavg()[0]:.1f} (1 min).", SECTION_END]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import _bounded, _decisions, _dispatch, _global, _printing
+from sbpflow import _bounded, _decisions, _dispatch, _dispatch_pointwise, _global, _printing
 from sbpflow.boxing import _redistribute, _transfer, executor, planner
 from sbpflow.ops import _foreach, views
 from sbpflow.sbp import broadcast, split
@@ -36,6 +36,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         (_global.GlobalTensor._op_dispatcher.fast, _dispatch.FAST_BOUND),
         (executor._routes, executor.ROUTES_BOUND),
         (_foreach._plans, _foreach.PLANS_BOUND),
+        (_dispatch_pointwise._qualifies, _dispatch_pointwise.QUALIFIES_BOUND),
     ]
     sizes = {cache.name: (len(cache), bound) for cache, bound in bounded}
     # A BoundedDict added later must be listed here too, with its module's named bound.
@@ -62,7 +63,7 @@ def _many_shapes(first: int, stop: int) -> list[int]:
         # The logical shape is given, so only the boxing below runs a meta check.
         x = local.to_global(placement, split(0), shape=(world * k, 4), check_meta=False)
         y = x.to_global(sbp=broadcast)  # the meta check, then all_gather
-        total = y + y  # a new decision (and fast-path entry) per shape
+        total = torch.stack([y, y]).sum(0)  # new decisions (and fast-path entries) per shape
         if k % 500 == 0 or k == 1:  # the values, on a sample of the shapes
             pieces = [torch.arange(k * 4.0).reshape(k, 4) + 1000 * r for r in range(world)]
             if not torch.equal(total.to_local(), 2 * torch.cat(pieces)):
