@@ -11,9 +11,10 @@ On 2 ranks, a 2-stage model through ``sbpflow.nn.Graph`` with GPipe and 1F1B:
   plain torch's training;
 - a step that fails on every rank (a bad micro-batch the caller skips) leaves a receive
   posted early (GPipe), or a gradient sent and not taken (1F1B: rank 1 sends the third
-  micro-batch's gradient before it fails, rank 0 fails before taking it); the next steps
+  micro-batch's gradient before it fails, rank 0 fails before taking it); before the error
+  is raised the receive is filled and the gradient taken, both dropped, and the next steps
   train as plain torch does on the batches that were not skipped, with early receives and
-  without (NOTE [a failed step's messages] in sbpflow/nn/pipeline/runtime/_transfers.py);
+  without (NOTE [a failed step's messages] in sbpflow/nn/pipeline/runtime/_failed_step.py);
 - a build whose transfers change between steps with the same input shapes raises on the
   rank that receives (naming ``enable_early_receives(False)``), the other rank's wait ends
   in a ``CollectiveError`` within the collective timeout, and with
@@ -252,11 +253,10 @@ def recovering_job(early: bool, schedule: str = "gpipe") -> dict[str, Any]:
 def test_steps_after_a_failed_step_train_as_one_process_does(
     private_pool: DistributedPool, early: bool, schedule: str
 ) -> None:
-    """GPipe: the receive rank 1 posted early for the failed step's last micro-batch takes
-    the next step's first activation, as the receive rank 1 would have posted for it. 1F1B:
-    the gradient rank 1 sent in the failed step is taken and dropped before the error is
-    raised. Either way the losses of the steps that ran and the final weights are plain
-    torch's on the batches not skipped."""
+    """GPipe: the receive rank 1 posted early for the failed step's last micro-batch is
+    filled by rank 0 and dropped. 1F1B: the gradient rank 1 sent in the failed step is
+    taken by rank 0 and dropped. Either way the losses of the steps that ran and the final
+    weights are plain torch's on the batches not skipped."""
     for rank, got in enumerate(private_pool.run(recovering_job, early, schedule)):
         out = got["out"]
         assert out[_FAILED_STEP] == "'a bad micro-batch'", (rank, out)

@@ -24,6 +24,7 @@ sbpflow/nn/pipeline/runtime/_carriers.py). In the second of four steps:
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,7 +179,9 @@ def test_a_stage_failing_on_its_rank_raises_on_every_rank_within_the_timeout(
     holder, other = list(outcomes)  # stage 2 is on rank 0
     assert isinstance(holder, ValueError), holder
     failed, then = str(holder).split(" || then: ")
-    assert "a bad stage" in failed and "may be out of step" in failed, failed
+    assert "a bad stage" in failed, failed
+    if sys.version_info >= (3, 11):  # exceptions carry notes from 3.11 on
+        assert "may be out of step" in failed, failed
     assert "cannot run another pipelined step" in then, then
     assert isinstance(other, (CollectiveError, RemoteError)), other
     if isinstance(other, RemoteError):

@@ -285,7 +285,7 @@ class Graph:
         stages = self._stages()
         check_stages(stages)  # the same verdict on every rank, before any communication
         if len(stages) > 1:
-            refuse_if_out_of_step()  # NOTE [a failed step's messages] in runtime/_transfers.py
+            refuse_if_out_of_step()  # NOTE [a failed step's messages] in runtime/_failed_step.py
         params = self._parameters()
         if not stages:
             self._warn_if_placed_like_stages(params)

@@ -62,19 +62,19 @@ groups.
 # the n-th receive gets the n-th message whoever posted it. It must be for the
 # shape and dtype the program asks for: a receive whose buffer differs raises
 # (and the early receive stays first in line). A receive posted early that no
-# transfer of its step takes (the step failed, or moved other tensors than the
-# step it was planned from) stays posted, with its buffer, for the next receive
-# from that peer on that lane, whichever step makes it: posted receives cannot be
+# transfer of its step takes because the step moved other tensors than the step
+# it was planned from stays posted, with its buffer, for the next receive from
+# that peer on that lane, whichever step makes it: posted receives cannot be
 # withdrawn, and a fresh receive behind it would get the message after the one it
-# waits for. They are dropped with the groups at teardown. Only gloo (CPU)
-# receives are posted early: NCCL runs a group's sends and receives in order on
-# one stream, so an early receive would hold back this rank's sends. _early.py
-# says which receives a step posts early.
+# waits for. One left by a step that failed is filled by its sender and dropped
+# (NOTE [a failed step's messages] in _failed_step.py). They are dropped with the
+# groups at teardown. Only gloo (CPU) receives are posted early: NCCL runs a
+# group's sends and receives in order on one stream, so an early receive would
+# hold back this rank's sends. _early.py says which receives a step posts early.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import time
@@ -87,9 +87,17 @@ import torch
 
 from ....boxing.executor import Transport
 from ....comm import _p2p
-from ....comm._errors import CollectiveError, gather_reports, named
-from ....comm._world import get_rank, get_world_size, on_teardown, timeout_seconds
+from ....comm._errors import named
+from ....comm._world import get_rank, on_teardown
 from ....placement import Placement
+from ._failed_step import (
+    check_in_step,
+    count_step,
+    lane_name,
+    note_sent,
+    note_taken,
+    refuse_if_out_of_step,
+)
 from ._stages import Stage
 
 __all__ = [
@@ -135,8 +143,8 @@ def make_lanes(stages: Sequence[Stage], inputs: Iterable[Placement] = ()) -> Non
     for src, dst in lane_pairs(stages, inputs):
         members = _members(src, dst)
         _lane_group(dst.type, members, ((src, dst), 0))
-        for index in (0, 1):  # known by name on every rank (NOTE [a failed step's messages])
-            _lane_name((dst.type, members, ((src, dst), index)))
+        for index in (0, 1):  # named on every rank (NOTE [a failed step's messages])
+            lane_name((dst.type, members, ((src, dst), index)))
 
 
 def lane_pairs(
@@ -206,9 +214,10 @@ class StepTransfers:
             if self.running:
                 self._post(sends, recvs, group, route)
             else:  # after its step (a graph kept with create_graph): wait for each message
+                refuse_if_out_of_step()
                 works = [_p2p.isend(t.contiguous(), peer, group) for peer, t in sends]
                 for peer, t in sends:
-                    _note_sent(route, peer, t)
+                    note_sent(route, peer, t)
                 for peer, buffer in recvs:
                     _receive(buffer, peer, group, route)
                 for work in works:
@@ -230,8 +239,12 @@ class StepTransfers:
         """Wait for every send posted so far (the receivers have taken the data)."""
         pending, self.pending = self.pending, []
         with named("send (deferred)", [get_rank()]):
-            for work, _ in pending:
-                work.wait()
+            for k, (work, _) in enumerate(pending):
+                try:
+                    work.wait()
+                except BaseException:
+                    _abandoned.extend(pending[k:])  # gloo may still read their buffers
+                    raise
 
     def _post(
         self,
@@ -247,7 +260,7 @@ class StepTransfers:
             data = tensor.detach().clone(memory_format=torch.contiguous_format)
             start = time.monotonic()
             work = _p2p.isend(data, peer, group)
-            _note_sent(route, peer, data)
+            note_sent(route, peer, data)
             self.pending.append((work, data))
             if observe is not None:
                 observe(Message("send", peer, _nbytes(data), start, time.monotonic()))
@@ -269,169 +282,24 @@ def step_transfers(observer: Callable[[Message], None] | None = None) -> Iterato
     pending with their buffers kept alive.
     """
     refuse_if_out_of_step()
+    count_step()
     state = StepTransfers(observer)
     try:
         yield state
+        state.running = False
+        state.wait()
     except BaseException as error:
         # A failed step: its receivers may never come. Keep the sends' buffers alive (a
         # pending send reads them) instead of waiting, so the error surfaces now.
+        state.running = False
         _abandoned.extend(state.pending)
         state.pending = []
-        _check_in_step(error)
+        check_in_step(error, _early, _receive, _abandoned)
         raise
-    finally:
-        state.running = False
-    state.wait()
 
 
 _abandoned: list[tuple[Any, torch.Tensor]] = []
 on_teardown(_abandoned.clear)
-
-# NOTE [a failed step's messages]
-# Messages between two ranks on a lane are matched in posting order, so after a
-# failed step the next step's receives take whatever that step left in flight.
-# When every message a rank sent was also taken by its receiver, that is right:
-# a receive posted early and not taken gets the next step's first message, as it
-# should (NOTE [receives posted early]). But the ranks may stop at different
-# points: 1F1B sends a gradient that the peer, failing first, never takes; a
-# rank holding several stages runs its micro-batches in another order than its
-# peers. The next step would then silently compute with the failed step's data.
-# So every rank counts, per lane and peer, the messages it sent (with the shapes
-# and dtypes of the last ``_LOGGED``) and those it took. A step that raises
-# publishes these through the store (``gather_reports``: no collective that a
-# rank stuck in a receive could cross) and reads every rank's, waiting up to the
-# collective timeout (at most ``_AGREE_S``). Each receiver then takes, and drops,
-# the messages sent to it and not taken (first through the receives it posted
-# early, which are first in line), so that the next step starts with nothing in
-# flight, and the error is raised as it is. When that cannot be done (a rank
-# did not report, its step failed in a collective or was interrupted, or a
-# message is older than the log), the error is raised with a note saying so, and
-# every later pipelined step of this process raises before moving any data.
-_AGREE_S = 30.0
-_LOGGED = 64
-_routes: dict[str, Route] = {}  # each lane's route by its name (the same on every rank)
-_sent: dict[tuple[str, int], int] = {}  # per (lane's name, peer): messages sent
-_recent: dict[tuple[str, int], deque[tuple[tuple[int, ...], str]]] = {}  # their shapes, dtypes
-_taken: dict[tuple[str, int], int] = {}  # per (lane's name, peer): messages received
-_failures = [0]  # failed steps so far, the same count on every rank while they agree
-_out_of_step: list[str] = []  # why later steps may not run (empty: they may)
-
-
-def _forget_counts() -> None:
-    for kept in (_routes, _sent, _recent, _taken):
-        kept.clear()
-    _failures[0] = 0
-    _out_of_step.clear()
-
-
-on_teardown(_forget_counts)
-
-
-def refuse_if_out_of_step() -> None:
-    """Raise if an earlier failed step left the ranks' messages out of step (NOTE [a failed
-    step's messages]); every rank that step left so raises here, before moving any data."""
-    if _out_of_step:
-        raise RuntimeError(
-            f"an earlier pipelined step failed and left the ranks' messages out of step "
-            f"({_out_of_step[0]}), so this step would take that step's data (NOTE [a failed "
-            "step's messages] in sbpflow/nn/pipeline/runtime/_transfers.py). This process "
-            "cannot run another pipelined step: restart the job on every rank."
-        )
-
-
-def _lane_name(route: Route) -> str:
-    """A lane's name, the same on every rank: its pair of placements and direction."""
-    (src, dst), index = route[2]
-    name = f"the {('forward', 'gradient')[index]} lane between {src} and {dst}"
-    _routes.setdefault(name, route)
-    return name
-
-
-def _note_sent(route: Route, peer: int, data: torch.Tensor) -> None:
-    key = (_lane_name(route), peer)
-    _sent[key] = _sent.get(key, 0) + 1
-    _recent.setdefault(key, deque(maxlen=_LOGGED)).append((tuple(data.shape), str(data.dtype)))
-
-
-def _check_in_step(error: BaseException) -> None:
-    """After ``error`` ended a step: agree with the other ranks on the messages in flight
-    and take those sent here, or note on ``error`` that later steps cannot run (NOTE [a
-    failed step's messages])."""
-    _failures[0] += 1
-    me = get_rank()
-    broken = isinstance(error, CollectiveError) or not isinstance(error, Exception)
-    report: Any = "broken"
-    if not broken:
-        report = [
-            (lane, me, peer, n, list(_recent[lane, peer])) for (lane, peer), n in _sent.items()
-        ]
-        report += [(lane, peer, me, -n, []) for (lane, peer), n in _taken.items()]
-    # A rank that cannot take part publishes that and goes on (a Ctrl-C must not wait).
-    within = 0.0 if broken else min(timeout_seconds(), _AGREE_S)
-    reports = gather_reports(f"pipeline-step-failure-{_failures[0]}", repr(report), within)
-    why, to_take = _in_flight(reports, get_world_size(), me)
-    if why is None:
-        why = _take_in_flight(to_take)
-    if why is None:
-        return
-    _out_of_step.append(why)
-    add_note = getattr(error, "add_note", None)  # Python 3.11 on
-    if add_note is not None:
-        add_note(
-            f"sbpflow: {why}; the ranks' messages may be out of step, so every later "
-            "pipelined step of this process raises (NOTE [a failed step's messages] in "
-            "sbpflow/nn/pipeline/runtime/_transfers.py)."
-        )
-
-
-Logged = list[tuple[tuple[int, ...], str]]
-
-
-def _in_flight(
-    reports: dict[int, str], world: int, me: int
-) -> tuple[str | None, list[tuple[str, int, Logged]]]:
-    """From every rank's report: why the messages in flight cannot be taken (``None``: they
-    can), and those sent to ``me``: per lane and sender, the shapes and dtypes in order."""
-    missing = sorted(set(range(world)) - set(reports))
-    if missing:
-        return f"rank(s) {missing} did not report on the failed step", []
-    reports = {rank: ast.literal_eval(report) for rank, report in reports.items()}
-    broken = sorted(rank for rank, report in reports.items() if report == "broken")
-    if broken:
-        return f"the step failed in a collective or was interrupted on rank(s) {broken}", []
-    balance: dict[tuple[str, int, int], int] = {}
-    logged: dict[tuple[str, int, int], Logged] = {}
-    for report in reports.values():
-        for lane, src, dst, n, shapes in report:
-            balance[lane, src, dst] = balance.get((lane, src, dst), 0) + n  # sent up, taken down
-            if shapes:
-                logged[lane, src, dst] = shapes
-    to_take = []
-    for (lane, src, dst), n in sorted(balance.items()):
-        if n < 0 or n > len(logged.get((lane, src, dst), ())):
-            return f"rank {src}'s messages to rank {dst} on {lane} cannot be matched", []
-        if n and dst == me:
-            to_take.append((lane, src, logged[lane, src, dst][-n:]))
-    return None, to_take
-
-
-def _take_in_flight(to_take: list[tuple[str, int, Logged]]) -> str | None:
-    """Take and drop the messages in flight to this rank (``None``: done; else why not)."""
-    for lane, peer, shapes in to_take:
-        route = _routes.get(lane)
-        if route is None:
-            return f"this rank never used {lane}"
-        device_type, members, on = route
-        group = _p2p.made_group(device_type, members, on)
-        try:
-            with named("taking a failed step's messages", members):
-                for shape, dtype in shapes:
-                    buffer = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]))
-                    _receive(buffer, peer, group, route)
-        except (CollectiveError, RuntimeError) as error:
-            return f"the messages in flight on {lane} could not be taken ({error})"
-    return None
-
 
 # Per (lane's route, peer): the receives posted early and not yet taken, oldest first, with
 # their buffers; they outlive the step that posted them (NOTE [receives posted early]).
@@ -447,8 +315,7 @@ def _receive(buffer: torch.Tensor, peer: int, group: Any, route: Route) -> None:
         _take_early(early, buffer)
     else:
         _p2p.irecv(buffer, peer, group).wait()
-    key = (_lane_name(route), peer)
-    _taken[key] = _taken.get(key, 0) + 1
+    note_taken(route, peer)
 
 
 def _take_early(early: deque[tuple[Receive, Any, torch.Tensor]], buffer: torch.Tensor) -> None:
