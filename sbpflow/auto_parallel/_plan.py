@@ -196,15 +196,20 @@ class Plan:
         their gradients to the planned gradient layouts, so the step boxes where the plan
         says (NOTE [following the plan] in _follow.py);
         ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
-        ``follow=False`` sets the parameters only.
+        ``follow=False`` installs no hooks: it lays out the parameters, and runs the fully
+        sharded modules below with ``fully_shard``'s runtime all the same.
 
         Each module of ``fully_sharded`` (parameters stored split on the data axis and read
         whole) runs with ``fully_shard``'s runtime for those parameters, with or without
         ``follow``: gathered in one all_gather before its forward and again before its
         backward (each started one module ahead), freed after each, gradients
         reduce-scattered back to the split; the model's class then becomes a
-        ``FSDPModule`` too. This is a collective call there: every rank of the placement
-        calls ``apply``.
+        ``FSDPModule`` too. This is then a collective call over the whole world (its ranks
+        agree on the parameters they shard): every rank of the world calls ``apply``, with
+        the same plan and model, the ranks outside the placement included. Applying the
+        same plan again (after ``follow=False`` or ``unfollow``) leaves those modules as
+        the first ``apply`` set them; a module that ``fully_shard`` runs otherwise (called
+        by hand, or another plan's ``apply``) raises ``ValueError`` before anything changes.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
