@@ -12,7 +12,7 @@ from ..boxing.plan import BoxingStep, _fmt_bytes
 from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, Split, normalize, sbp_str
-from ._capture import Graph, capture
+from ._capture import SDPA, Graph, capture
 from ._costs import (
     BUCKET_CAP_BYTES,
     ComputeModel,
@@ -524,8 +524,14 @@ def _within(path: str, module: str) -> bool:
 # dim (``fully_shard`` gathers on axis 0 alone, NOTE [fully sharded layouts] in
 # nn/parallel/_fsdp_param.py), and every reader inside that module reads it broadcast on
 # axis 0, directly or through ops of one input that keep it split there (a transpose, a
-# view: those run on the gathered parameter, left to propagation). The module's other
-# parameters stay as planned. Layouts never change values, so this moves collectives only.
+# view: those run on the gathered parameter, left to propagation). Freed after the forward,
+# the gathered parameter must not outlive its module: every op that reads it, or a view of
+# it (followed through every op whose schema may return an input or a view of one), runs
+# inside the module, and neither it nor such a view is an output of the module or of the
+# model (a module returning ``self.weight.unsqueeze(0)`` or ``(y, self.weight.t())`` keeps
+# its parameter on the op-by-op path). An op that computes a new tensor (addmm, embedding)
+# ends the walk. The module's other parameters stay as planned. Layouts never change
+# values, so this moves collectives only.
 
 
 def _fully_sharded(problem: Problem, solution: Solution) -> tuple[ShardedModule, ...]:
@@ -583,19 +589,29 @@ def _read_whole(
     module: str,
 ) -> list[int] | None:
     """The ops between parameter node ``param`` and its readers, if every reader is inside
-    ``module`` and reads it broadcast on axis 0; None if some reader computes with it split
-    there, or nothing reads it."""
+    ``module`` and reads it broadcast on axis 0, and no view of the gathered parameter
+    leaves ``module`` (NOTE [fully sharded modules of a plan]); None if some reader computes
+    with it split there, a view of it is an output of ``module`` or of the model, or nothing
+    reads it."""
+    escapes = set(graph.outputs)
+    for _, outs in graph.module_io.get(module, []):
+        escapes.update(ref for ref in outs if ref is not None)
     between: list[int] = []
     pending = [(param, 0)]
     if not readers.get(pending[0]):
         return None
     while pending:
-        for v, i in readers.get(pending.pop(), []):
+        ref = pending.pop()
+        if ref in escapes:  # the module or the model returns it: read after it is freed
+            return None
+        for v, i in readers.get(ref, []):
             node = graph.nodes[v]
             if node.kind != "op" or not _within(node.module, module):
                 return None
             strategy = chosen(v)
             if isinstance(strategy.inputs[i][0], Broadcast):
+                if _may_alias(node.target):  # a view of the gathered parameter: follow it
+                    pending.extend((v, j) for j in range(len(node.out_shapes)))
                 continue
             if (
                 len(node.inputs) == 1
@@ -608,3 +624,17 @@ def _read_whole(
                 continue
             return None
     return between
+
+
+def _may_alias(target: str) -> bool:
+    """Whether an op recorded as ``target`` may return one of its inputs or a view of it:
+    its schema says so, or it has no aten schema to tell (SDPA's outputs are its own)."""
+    if target == SDPA:
+        return False
+    namespace, _, rest = target.partition(".")
+    name, _, overload = rest.rpartition(".")
+    try:
+        schema = getattr(getattr(getattr(torch.ops, namespace), name), overload)._schema
+    except (AttributeError, RuntimeError):
+        return True
+    return any(r.alias_info is not None for r in schema.returns)

@@ -196,15 +196,20 @@ class Plan:
         their gradients to the planned gradient layouts, so the step boxes where the plan
         says (NOTE [following the plan] in _follow.py);
         ``unfollow(model)`` (``from sbpflow.auto_parallel import unfollow``) removes them.
-        ``follow=False`` sets the parameters only.
+        ``follow=False`` installs no hooks: it lays out the parameters, and runs the fully
+        sharded modules below with ``fully_shard``'s runtime all the same.
 
         Each module of ``fully_sharded`` (parameters stored split on the data axis and read
         whole) runs with ``fully_shard``'s runtime for those parameters, with or without
         ``follow``: gathered in one all_gather before its forward and again before its
         backward (each started one module ahead), freed after each, gradients
         reduce-scattered back to the split; the model's class then becomes a
-        ``FSDPModule`` too. This is a collective call there: every rank of the placement
-        calls ``apply``.
+        ``FSDPModule`` too. This is then a collective call over the whole world (its ranks
+        agree on the parameters they shard): every rank of the world calls ``apply``, with
+        the same plan and model, the ranks outside the placement included. Applying the
+        same plan again (after ``follow=False`` or ``unfollow``) leaves those modules as
+        the first ``apply`` set them; a module that ``fully_shard`` runs otherwise (called
+        by hand, or another plan's ``apply``) raises ``ValueError`` before anything changes.
         """
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         planned = self.param_sbp
@@ -217,12 +222,15 @@ class Plan:
             )
         whole = (broadcast,) * self.placement.ndim
         layouts = dict(planned)
-        for sharded in self.fully_sharded:  # fully_shard takes them whole on the data axis
-            for name in sharded.params:
+        done = self._fully_sharded_before(model)
+        for sharded in self.fully_sharded:
+            if sharded.module in done:  # an earlier apply: stored as planned, left as it is
+                continue
+            for name in sharded.params:  # fully_shard takes them whole on the data axis
                 layouts[name] = (broadcast, *planned[name][1:])
         model.to_global(self.placement, lambda name, _t: layouts.get(name, whole))  # type: ignore[operator]
         if self.fully_sharded:
-            self._fully_shard(model)
+            self._fully_shard(model, done)
         if follow:
             from ._follow import follow as install
 
@@ -230,15 +238,48 @@ class Plan:
             install(model, self.placement, self.boundaries, self.ops, free)
         return model
 
-    def _fully_shard(self, model: torch.nn.Module) -> None:
+    def _fully_sharded_before(self, model: torch.nn.Module) -> set[str]:
+        """The modules an earlier ``apply`` of this plan already runs with ``fully_shard``'s
+        runtime (the model's root included). Raises, before anything changes, if
+        ``fully_shard`` runs on a module in another way."""
+        from ..nn.parallel.fsdp import _sharded_by
+
+        wanted: dict[str, frozenset[str]] = {}
+        for sharded in self.fully_sharded:
+            prefix = sharded.module + "." if sharded.module else ""
+            wanted[sharded.module] = frozenset(n.removeprefix(prefix) for n in sharded.params)
+        if self.fully_sharded:
+            wanted.setdefault("", frozenset())
+        done = set()
+        for path, module in model.named_modules():
+            found = _sharded_by(module)
+            if found is None:
+                continue
+            placement, params = found
+            if wanted.get(path) != params or placement != self.placement:
+                raise ValueError(
+                    f"apply: module {path or '(root)'!r} already runs fully_shard on "
+                    f"{placement} for parameters {sorted(params)}, but this plan fully shards "
+                    f"{sorted(wanted.get(path, ()))} on {self.placement} there. Apply a plan "
+                    "to a model made fresh (not passed to fully_shard or to another plan's "
+                    "apply); applying the same plan again is fine."
+                )
+            done.add(path)
+        return done
+
+    def _fully_shard(self, model: torch.nn.Module, done: set[str]) -> None:
         """``fully_shard``'s runtime on each module of ``fully_sharded`` for the planned
         parameters, and on the model with none of its own, so that the modules share one
-        step (each gathers the next one ahead, NOTE [prefetch] in nn/parallel/_fsdp_state)."""
+        step (each gathers the next one ahead, NOTE [prefetch] in nn/parallel/_fsdp_state);
+        the modules in ``done`` already run it."""
         from ..nn.parallel.fsdp import _fully_shard
 
         modules = dict(model.named_modules())
         roots = False
         for sharded in self.fully_sharded:
+            roots = roots or not sharded.module
+            if sharded.module in done:
+                continue
             prefix = sharded.module + "." if sharded.module else ""
             dims = {
                 name.removeprefix(prefix): dim
@@ -247,8 +288,7 @@ class Plan:
             # freed after the forward and gathered again (one module ahead) for the
             # backward: the plan counts no memory for the gathered parameters
             _fully_shard(modules[sharded.module], self.placement, True, None, dims)
-            roots = roots or not sharded.module
-        if not roots:
+        if not roots and "" not in done:
             _fully_shard(model, self.placement, True, None, {})
 
     # -- inspecting -----------------------------------------------------------------

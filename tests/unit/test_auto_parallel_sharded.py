@@ -80,3 +80,92 @@ def test_weights_computed_with_split_are_not_fully_sharded() -> None:
     assert _split_on_data_axis(plan), plan.explain()
     assert plan.fully_sharded == ()
     assert "fully sharded modules" not in plan.explain()
+
+
+def _budget_plan(model: nn.Module, x: torch.Tensor) -> sbpflow.auto_parallel.Plan:
+    placement = sbpflow.placement("cpu", [0, 1])
+    replicated = sbpflow.auto_parallel(model, placement, x)
+    state = replicated.memory.peak - replicated.memory.activations
+    return sbpflow.auto_parallel(
+        model, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
+    )
+
+
+def _fully_sharded_params(plan: sbpflow.auto_parallel.Plan) -> set[str]:
+    return {name for sharded in plan.fully_sharded for name in sharded.params}
+
+
+class Pos(nn.Module):
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, dim))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.unsqueeze(0)  # a view of the parameter leaves the module
+
+
+class PosModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Pos(256, 256)
+        self.blocks = nn.Sequential(*[Block(256, 256) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x * 2.0 + self.pos())
+
+
+def test_a_parameter_whose_view_leaves_its_module_is_not_fully_sharded() -> None:
+    """Freed after the module's forward, the view would be read after it is freed."""
+    torch.manual_seed(0)
+    model = PosModel()
+    plan = _budget_plan(model, torch.randn(8, 256, 256))
+    split = _split_on_data_axis(plan)
+    assert "pos.weight" in split, plan.explain()  # the budget shards it
+    got = _fully_sharded_params(plan)
+    assert "pos.weight" not in got, plan.explain()
+    # the blocks' Linear weights, read by addmm inside their module, still are
+    assert got and got <= set(split), plan.explain()
+
+
+class Down(nn.Module):
+    def __init__(self, inner: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, inner) / inner**0.5)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        wt = self.weight.t()  # read by addmm inside, and returned
+        return torch.addmm(self.bias, x, wt), wt
+
+
+class ReturningBlock(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, inner)
+        self.down = Down(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, wt = self.down(F.gelu(self.up(self.norm(x))))
+        return x + y, wt
+
+
+class Returning(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ReturningBlock(64, 256) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in self.blocks:
+            x, wt = block(x)
+        return x, wt
+
+
+def test_a_parameter_whose_transpose_is_returned_is_not_fully_sharded() -> None:
+    torch.manual_seed(0)
+    model = Returning()
+    plan = _budget_plan(model, torch.randn(4096, 64))
+    split = _split_on_data_axis(plan)
+    returned = {n for n in split if n.endswith("down.weight")}
+    assert returned, plan.explain()  # the budget shards them
+    assert not _fully_sharded_params(plan) & returned, plan.explain()

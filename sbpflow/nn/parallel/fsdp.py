@@ -164,6 +164,15 @@ def fully_shard(
     return _fully_shard(module, placement, reshard_after_forward, mp_policy, None)
 
 
+def _sharded_by(module: torch.nn.Module) -> tuple[Placement, frozenset[str]] | None:
+    """The placement and the parameters (by their names in ``module``) that ``fully_shard``'s
+    runtime on ``module`` manages; None if ``fully_shard`` was not called on it."""
+    state = module.__dict__.get(STATE_ATTR)
+    if not isinstance(state, FSDPState):
+        return None
+    return state.group.placement, frozenset(p.name for p in state.group.params)
+
+
 def _fully_shard(
     module: M,
     placement: Placement | None,
