@@ -53,7 +53,7 @@ from ._layout import Layout
 from ._lazy_bits import resolve_arguments
 from ._printing import logical_value
 from ._propagation import GradientPlan
-from ._view_writes import refuse_detached_view_writes
+from ._view_writes import may_hold_a_copy, note_alias, refuse_detached_view_writes
 from .boxing import tracing as _trace
 from .boxing._redistribute import box_below_autograd
 from .comm import _errors, _functional
@@ -343,7 +343,9 @@ special(*SAME_LAYOUT_OPS)(same_layout)  # NOTE [same-layout pointwise]
 @special(aten.detach.default, aten.alias.default)
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
-    return _global.wrap(func(x._local), x._meta)  # the same layout, shape, dtype and strides
+    piece = func(x._local)
+    note_alias(x, piece)  # NOTE [view writes]: a copy stays a copy
+    return _global.wrap(piece, x._meta)  # the same layout, shape, dtype and strides
 
 
 @special(aten._local_scalar_dense.default, aten.item.default)
@@ -431,7 +433,7 @@ def _run_fast(fast: _Fast, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     if fast.gradients is not None:
         apply_gradient_plan(fast.gradients, args)
     local_args = [a._local if isinstance(a, gt) else a for a in args]
-    if fast.container is _IN_PLACE and args[0]._is_view():
+    if fast.container is _IN_PLACE and may_hold_a_copy(args[0]):
         refuse_detached_view_writes(func, args, kwargs)
     if fast.local is not None:
         out = fast.local(func, tuple(local_args), kwargs, fast.ctx)

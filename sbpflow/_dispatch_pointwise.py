@@ -35,7 +35,7 @@ import torch
 from . import _global
 from ._bounded import BoundedDict
 from ._decisions import FOLLOWING
-from ._view_writes import refuse_detached_view_writes
+from ._view_writes import may_hold_a_copy, refuse_detached_view_writes
 
 __all__ = ["SAME_LAYOUT_OPS", "same_layout"]
 
@@ -114,7 +114,7 @@ def same_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         if name not in _SCALAR_KWARGS or type(value) not in _NUMBERS:
             return NotImplemented
     if in_place:
-        if first._is_view():
+        if may_hold_a_copy(first):
             refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
         func._op(*local_args, **kwargs)
         return first

@@ -8,7 +8,10 @@
 # ``x.diagonal().zero_()`` would change the copy and leave ``x`` as it was, a
 # silently wrong value. Autograd still records such an output as a view of its
 # base, so an op writing into a global view whose piece does not share storage
-# with its base's piece is refused here, naming the fix. (Reading such a view
+# with its base's piece is refused here, naming the fix. A tensor detached from
+# such a view (``x[:, 1].detach()``, ``x[:, 1].data``) is no view to autograd but
+# shares the view's piece, so writing into it is refused too: ``detach`` and
+# ``alias`` note their piece as a copy (``note_alias``). (Reading such a view
 # after writing into its base is not detected: the view keeps the old values.)
 """
 
@@ -17,10 +20,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["refuse_detached_view_writes"]
+__all__ = ["may_hold_a_copy", "note_alias", "refuse_detached_view_writes"]
 
 _written_positions: dict[Any, tuple[tuple[int, str], ...]] = {}
+# Pieces of tensors detached from a view whose piece is a copy (held weakly).
+_copies: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def note_alias(source: Any, piece: torch.Tensor) -> None:
+    """``piece`` is the piece of a tensor that ``detach``/``alias`` made of ``source``: if
+    ``source`` holds a copy of its base's data, so does it (NOTE [view writes])."""
+    if _detached_view(source):
+        _copies[piece] = True
 
 
 def _written(func: Any) -> tuple[tuple[int, str], ...]:
@@ -35,6 +48,12 @@ def _written(func: Any) -> tuple[tuple[int, str], ...]:
         )
         _written_positions[func] = found
     return found
+
+
+def may_hold_a_copy(tensor: Any) -> bool:
+    """Cheap test for the fast paths: whether writing into global ``tensor`` needs
+    ``refuse_detached_view_writes``' check (a view, or detached from one whose piece is a copy)."""
+    return tensor._is_view() or (bool(_copies) and tensor._local in _copies)
 
 
 def refuse_detached_view_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -55,7 +74,11 @@ def refuse_detached_view_writes(func: Any, args: tuple[Any, ...], kwargs: dict[s
 
 def _detached_view(tensor: Any) -> bool:
     local = getattr(tensor, "_local", None)
-    if local is None or not isinstance(tensor, torch.Tensor) or not tensor._is_view():
+    if local is None or not isinstance(tensor, torch.Tensor):
+        return False
+    if _copies and local in _copies:
+        return True
+    if not tensor._is_view():
         return False
     base_local = getattr(tensor._base, "_local", None)
     if base_local is None:

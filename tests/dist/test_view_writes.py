@@ -4,7 +4,9 @@ A write into a view reaches the base where the view's rule kept the layout
 (the value then equals plain torch on the logical tensor, computed in the
 same process); where the view holds a copy (its rule re-laid the input out,
 or it fell back), the write is a ValueError on every rank naming the fix,
-never a write that silently does not happen (NOTE [view writes]).
+never a write that silently does not happen (NOTE [view writes]). The same
+holds for a tensor detached from a view (``.detach()``, ``.data``), which
+shares the view's data in plain torch.
 """
 
 from __future__ import annotations
@@ -42,17 +44,29 @@ def _transposed_add(x: torch.Tensor) -> None:
     x.t().add_(1)
 
 
+def _detached_column(x: torch.Tensor) -> None:
+    x[:, 1].detach().mul_(2)
+
+
+def _data_of_row(x: torch.Tensor) -> None:
+    x[1].data.mul_(2)
+
+
 _WRITES: dict[str, Callable[[torch.Tensor], None]] = {
     "x[:, 1] = 5": _setitem,
     "x.diagonal().zero_()": _zero_diagonal,
     "x[1].mul_(2)": _scale_row,
     "x[:, 1:3].add_(1)": _add_to_columns,
     "x.t().add_(1)": _transposed_add,
+    "x[:, 1].detach().mul_(2)": _detached_column,
+    "x[1].data.mul_(2)": _data_of_row,
 }
 # Writes whose view keeps its base's layout (no copy): they must reach the base.
 _KEPT = {
     ("x[:, 1] = 5", "S(0)"), ("x[:, 1:3].add_(1)", "S(0)"), ("x[1].mul_(2)", "S(1)"),
     ("x[:, 1] = 5", "P"), ("x[1].mul_(2)", "P"), ("x[:, 1:3].add_(1)", "P"),
+    ("x[:, 1].detach().mul_(2)", "S(0)"), ("x[:, 1].detach().mul_(2)", "P"),
+    ("x[1].data.mul_(2)", "S(1)"), ("x[1].data.mul_(2)", "P"),
     *((name, s) for name in _WRITES for s in ("B",)),
     *((("x.t().add_(1)", s) for s in ("S(0)", "S(1)", "P"))),
 }  # fmt: skip
