@@ -32,7 +32,11 @@ _copies: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 def note_alias(source: Any, piece: torch.Tensor) -> None:
     """``piece`` is the piece of a tensor that ``detach``/``alias`` made of ``source``: if
     ``source`` holds a copy of its base's data, so does it (NOTE [view writes])."""
-    if _detached_view(source):
+    try:
+        copy = _detached_view(source)
+    except RuntimeError:  # pieces with no data pointer (fake ones, under a trace)
+        return
+    if copy:
         _copies[piece] = True
 
 
