@@ -447,15 +447,8 @@ def _boundaries(
     handed to the loss in. A module called several times with different layouts gets none.
     """
     graph = problem.graph
-
-    def chosen(n: int) -> Strategy:
-        rep = problem.reps[n]
-        return problem.choices[rep][solution.chosen[rep]]
-
-    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for node in graph.nodes:
-        for i, ref in enumerate(node.inputs):
-            readers.setdefault(ref, []).append((node.index, i))
+    chosen = _chosen_strategy(problem, solution)
+    readers = _readers(graph)
     outputs = {ref: k for k, ref in enumerate(graph.outputs)}
 
     def layouts(ref: tuple[int, int], where: str, module: str) -> tuple[NdSbp, NdSbp | None] | None:
@@ -538,15 +531,8 @@ def _fully_sharded(problem: Problem, solution: Solution) -> tuple[ShardedModule,
     """The modules whose parameters the plan fully shards (NOTE [fully sharded modules of a
     plan]), innermost first."""
     graph = problem.graph
-
-    def chosen(n: int) -> Strategy:
-        rep = problem.reps[n]
-        return problem.choices[rep][solution.chosen[rep]]
-
-    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for node in graph.nodes:
-        for i, ref in enumerate(node.inputs):
-            readers.setdefault(ref, []).append((node.index, i))
+    chosen = _chosen_strategy(problem, solution)
+    readers = _readers(graph)
     names: dict[int, list[str]] = {}
     for name, n in graph.param_nodes.items():
         names.setdefault(n, []).append(name)
@@ -638,3 +624,22 @@ def _may_alias(target: str) -> bool:
     except (AttributeError, RuntimeError):
         return True
     return any(r.alias_info is not None for r in schema.returns)
+
+
+def _chosen_strategy(problem: Problem, solution: Solution) -> Callable[[int], Strategy]:
+    """The strategy ``solution`` chose for each node (through its tied representative)."""
+
+    def chosen(n: int) -> Strategy:
+        rep = problem.reps[n]
+        return problem.choices[rep][solution.chosen[rep]]
+
+    return chosen
+
+
+def _readers(graph: Graph) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Per tensor (node, output): the (node, input position) of every op reading it."""
+    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for node in graph.nodes:
+        for i, ref in enumerate(node.inputs):
+            readers.setdefault(ref, []).append((node.index, i))
+    return readers
