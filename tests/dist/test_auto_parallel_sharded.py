@@ -16,7 +16,6 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
@@ -24,19 +23,10 @@ from sbpflow.nn.parallel import FSDPModule
 from sbpflow.sbp import Split, broadcast, sbp_str
 from sbpflow.testing import get_pool
 
+from ..unit.test_auto_parallel import MlpBlock as Block
+
 _STEPS = 3
 _TOL = 1e-5
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, inner: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, inner)
-        self.down = nn.Linear(inner, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 def _gathers(plan: Any) -> bool:

@@ -15,16 +15,7 @@ from torch import nn
 import sbpflow
 from sbpflow.sbp import Broadcast, Split, broadcast
 
-
-class Block(nn.Module):
-    def __init__(self, dim: int, inner: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, inner)
-        self.down = nn.Linear(inner, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+from .test_auto_parallel import MlpBlock as Block
 
 
 def _blocks(dim: int, inner: int, rows: int) -> tuple[nn.Module, torch.Tensor]:
