@@ -100,7 +100,7 @@ class ZeroGradient(torch.Tensor):
             return self.plain()
         if expected_type is None or not issubclass(expected_type, _global.GlobalTensor):
             return None  # another subclass's tangent: torch reports the mismatch
-        layout, shape, dtype = expected
+        layout, shape, dtype = expected[:3]  # __tensor_flatten__'s context
         local_shape = layout.local_shape(shape, get_rank())
         local = torch.zeros(local_shape, dtype=dtype, device=self.device)
         return _global.wrap(local, _global.meta_of(layout, shape, dtype))

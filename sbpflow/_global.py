@@ -40,6 +40,7 @@ from . import _compiled_outputs, _devices, _dispatch, _printing, _saving, _step_
 from ._bounded import BoundedDict
 from ._compiling import never_a_compiled_frame, traced
 from ._layout import Layout, dual_sbp, empty_local_shape
+from ._view_writes import holds_copy, note_alias, note_copy
 from .boxing import _redistribute
 from .comm._world import device_for, get_rank
 from .placement import Placement
@@ -271,16 +272,24 @@ class GlobalTensor(torch.Tensor):
         return _saving.deepcopy_global(self, memo)
 
     # -- tracing (NOTE [compiled global tensors] in sbpflow/_compiling.py) -------------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype]]:
-        meta = self._meta
-        return ["_local"], (meta.layout, meta.shape, meta.dtype)
+    # What __tensor_flatten__'s context holds; in the cache key, so a graph cached on disk
+    # by an older release (another context) is compiled again rather than loaded.
+    FLATTEN_FORMAT: ClassVar[str] = "layout, shape, dtype, holds_copy"
+
+    def __tensor_flatten__(
+        self,
+    ) -> tuple[list[str], tuple[Layout, tuple[int, ...], torch.dtype, bool]]:
+        meta = self._meta  # NOTE [view writes]: a piece holding a copy stays one in a trace
+        return ["_local"], (meta.layout, meta.shape, meta.dtype, holds_copy(self))
 
     @staticmethod
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
     ) -> GlobalTensor:
-        layout, shape, dtype = ctx
+        layout, shape, dtype = ctx[:3]
         local = inner["_local"]
+        if ctx[3:] == (True,):
+            note_copy(local)
         # The strides the trace gave this tensor (NOTE [logical strides]); symbolic ones
         # (dynamic shapes) fall back to contiguous.
         strides = tuple(outer_stride) if outer_stride is not None else None
@@ -307,7 +316,8 @@ class GlobalTensor(torch.Tensor):
         which rank keeps a partial value), so ranks must never share one.
         """
         local = self._local
-        data = (self._meta.layout, self._meta.shape, self.dtype, self.requires_grad, get_rank())
+        meta, rank = self._meta, get_rank()
+        data = (self.FLATTEN_FORMAT, meta.layout, meta.shape, self.dtype, self.requires_grad, rank)
         data_local = (tuple(local.shape), local.stride(), local.dtype, local.device)
         return hashlib.blake2b(repr((data, data_local)).encode(), digest_size=16).hexdigest()
 
@@ -325,7 +335,7 @@ class GlobalTensor(torch.Tensor):
         """The incoming gradient boxed to the layout the compiled backward was traced with."""
         if expected_type is not None and expected_type is not type(self):
             return None
-        layout, shape, dtype = expected
+        layout, shape, dtype = expected[:3]  # __tensor_flatten__'s context
         if tuple(self.shape) != shape or self.dtype != dtype:
             return None
         return self if self._layout == layout else _redistribute.box_below_autograd(self, layout)
@@ -369,6 +379,7 @@ class GlobalTensor(torch.Tensor):
                 "on this rank's piece with g.to_local()."
             )
         _TENSOR_DATA.__set__(self, new)  # type: ignore[attr-defined]
+        note_alias(new, new._local)  # NOTE [view writes]: p.data = x[:, 1] holds its copy
         self._local = new._local
         self._meta = new._meta
 

@@ -10,34 +10,67 @@
 # base, so an op writing into a global view whose piece does not share storage
 # with its base's piece is refused here, naming the fix. A tensor detached from
 # such a view (``x[:, 1].detach()``, ``x[:, 1].data``) is no view to autograd but
-# shares the view's piece, so writing into it is refused too: ``detach`` and
-# ``alias`` note their piece as a copy (``note_alias``). (Reading such a view
-# after writing into its base is not detected: the view keeps the old values.)
+# shares the view's piece, so writing into it is refused too: ``detach``,
+# ``alias`` and ``p.data = view`` note the piece's storage as a copy
+# (``note_alias``), and so does every tensor sharing that storage: views of the
+# detached tensor, tensors detached from those. Storages are compared and noted
+# by identity (their Python objects live as long as the storage), never by data
+# pointer, so the check holds for fake pieces under a trace too; a compiled
+# region's input rebuilt from a noted piece carries the note into the trace
+# (``holds_copy`` in ``__tensor_flatten__``'s context). A rank whose pieces are
+# all empty (outside the placement) has nothing to lose and does not refuse.
+# (Reading such a view after writing into its base is not detected: the view
+# keeps the old values.)
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["may_hold_a_copy", "note_alias", "refuse_detached_view_writes"]
+__all__ = [
+    "holds_copy",
+    "may_hold_a_copy",
+    "note_alias",
+    "note_copy",
+    "refuse_detached_view_writes",
+]
 
 _written_positions: dict[Any, tuple[tuple[int, str], ...]] = {}
-# Pieces of tensors detached from a view whose piece is a copy (held weakly).
-_copies: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# Storages of pieces that hold a copy of another global tensor's data, noted when a tensor
+# is detached from (or its .data set to) a view holding one; held weakly.
+_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def note_alias(source: Any, piece: torch.Tensor) -> None:
-    """``piece`` is the piece of a tensor that ``detach``/``alias`` made of ``source``: if
-    ``source`` holds a copy of its base's data, so does it (NOTE [view writes])."""
+    """``piece`` is the piece of a tensor that ``detach``/``alias``/``.data`` made of
+    ``source``: if ``source`` holds a copy of its base's data, so does it (NOTE [view writes])."""
+    if _detached_view(source):
+        note_copy(piece)
+
+
+def note_copy(piece: torch.Tensor) -> None:
+    """Every tensor whose piece shares ``piece``'s storage holds a copy (NOTE [view writes])."""
+    storage = _storage(piece)
+    if storage is not None:
+        _copies[storage] = True
+
+
+def holds_copy(tensor: Any) -> bool:
+    """Whether global ``tensor``'s piece lies in a storage noted as a copy."""
+    if not _copies:
+        return False
+    storage = _storage(tensor._local)
+    return storage is not None and storage in _copies
+
+
+def _storage(piece: torch.Tensor) -> Any:
     try:
-        copy = _detached_view(source)
-    except RuntimeError:  # pieces with no data pointer (fake ones, under a trace)
-        return
-    if copy:
-        _copies[piece] = True
+        return piece.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage (functional)
+        return None
 
 
 def _written(func: Any) -> tuple[tuple[int, str], ...]:
@@ -57,7 +90,7 @@ def _written(func: Any) -> tuple[tuple[int, str], ...]:
 def may_hold_a_copy(tensor: Any) -> bool:
     """Cheap test for the fast paths: whether writing into global ``tensor`` needs
     ``refuse_detached_view_writes``' check (a view, or detached from one whose piece is a copy)."""
-    return tensor._is_view() or (bool(_copies) and tensor._local in _copies)
+    return tensor._is_view() or holds_copy(tensor)
 
 
 def refuse_detached_view_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -80,11 +113,12 @@ def _detached_view(tensor: Any) -> bool:
     local = getattr(tensor, "_local", None)
     if local is None or not isinstance(tensor, torch.Tensor):
         return False
-    if _copies and local in _copies:
+    if holds_copy(tensor):
         return True
     if not tensor._is_view():
         return False
     base_local = getattr(tensor._base, "_local", None)
-    if base_local is None:
-        return False
-    return local.untyped_storage().data_ptr() != base_local.untyped_storage().data_ptr()
+    if base_local is None or (local.numel() == 0 and base_local.numel() == 0):
+        return False  # not a global view, or no data on this rank (NOTE [view writes])
+    storage, base_storage = _storage(local), _storage(base_local)
+    return storage is not None and base_storage is not None and storage is not base_storage

@@ -43,7 +43,7 @@ import torch
 from .. import _global
 from .._bounded import BoundedDict
 from .._layout import Layout, empty_local_shape
-from .._view_writes import refuse_detached_view_writes
+from .._view_writes import may_hold_a_copy, refuse_detached_view_writes
 from ..boxing._redistribute import box_below_autograd
 from ..comm._world import get_rank
 from ..sbp import Broadcast, Partial, SbpParallel, Split
@@ -154,7 +154,7 @@ def on_pieces(func: Any, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if torch.is_grad_enabled() and any(t.requires_grad for i in signature.lists for t in args[i]):
         return NotImplemented  # differentiated: the single ops keep their gradient plans
-    if signature.in_place and any(t._is_view() for t in args[0]):
+    if signature.in_place and any(may_hold_a_copy(t) for t in args[0]):
         refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
     key = (func, metas, *(() if signature.base not in _REDUCTIONS else _reduction_args(func, args)))
     plan = _plans.get(key)
