@@ -38,8 +38,14 @@ class BoundedDict(dict[K, V]):
         _caches[name] = self
 
     def __setitem__(self, key: K, value: V) -> None:
-        if len(self) >= self.bound and key not in self:
-            del self[next(iter(self))]  # insertion order: the oldest entry comes first
+        # Insertion order: the oldest entries come first. Threads dispatching at once may
+        # race here; the loser leaves the dict a few entries over the bound, and the next
+        # insert brings it back.
+        while len(self) >= self.bound and key not in self:
+            try:
+                self.pop(next(iter(self)), None)
+            except (StopIteration, RuntimeError):  # another thread changed the dict meanwhile
+                break
         super().__setitem__(key, value)
 
     def __repr__(self) -> str:
