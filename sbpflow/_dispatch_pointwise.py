@@ -11,9 +11,10 @@
 # sum is not the sum of the pieces' results; the rules in ops/pointwise.py decide those).
 # This handler runs first for the ops listed below (NOTE [dispatch], 1) and takes a call
 # only when:
-#   - every tensor argument is a global tensor with the very same ``Meta`` object (so the
-#     same layout, logical shape, dtype and strides: no broadcasting, no type promotion
-#     between tensors), floating point, with no partial axis;
+#   - every tensor argument is a global tensor with the same ``Meta`` (so the same layout,
+#     logical shape, dtype and strides: no broadcasting, no type promotion between
+#     tensors; one interned object, or equal ones once the table dropped the first),
+#     floating point, with no partial axis;
 #   - every other argument is a Python ``float``, ``int`` or ``bool``, positional or one of
 #     the op's scalar keywords; an out-of-place op's operands are contiguous (the result's
 #     logical strides are then the operands');
@@ -103,7 +104,9 @@ def same_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     local_args = [first._local]
     for a in args[1:]:
         if isinstance(a, gt):
-            if a._meta is not meta or (recording and a.requires_grad):
+            if (a._meta is not meta and not _equal(a._meta, meta)) or (
+                recording and a.requires_grad
+            ):
                 return NotImplemented
             local_args.append(a._local)
         elif type(a) in _NUMBERS:
@@ -119,3 +122,15 @@ def same_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         func._op(*local_args, **kwargs)
         return first
     return _global.wrap(func._op(*local_args, **kwargs), meta)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two metadata objects of one value: interning keeps one object per value, but once the
+    bounded table has dropped an entry (NOTE [bounded caches]), a tensor made since holds a
+    new object while an older one (a parameter) keeps the first."""
+    return (
+        a.layout == b.layout
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.strides == b.strides
+    )

@@ -81,10 +81,19 @@ def test_values_equal_plain_torch(dist_pool: DistributedPool) -> None:
         assert not failed, failed
 
 
-def adamw_steps(layout: str, foreach: bool) -> dict[str, Any]:
+def adamw_steps(layout: str, foreach: bool, evicted: bool = False) -> dict[str, Any]:
     """Worker: 3 AdamW steps (loop or foreach) on global parameters of one layout, gradients
     set to known values, against the same on plain tensors; and whether the loop's ops left
-    entries in the general fast path (they do not when the handler takes them)."""
+    entries in the general fast path (they do not when the handler takes them). ``evicted``:
+    the interning table drops the parameters' metadata before the gradients are made, so
+    parameters and gradients hold distinct but equal metadata objects."""
+    if evicted:  # a small bound, then other shapes push the parameters' entries out
+        metas = sbpflow._global._metas
+        bound, metas.bound = metas.bound, 4
+        try:
+            return _adamw_steps_evicted(layout, foreach)
+        finally:
+            metas.bound = bound
     pl = world()
     sbp = {"B": B, "S(0)": S0, "S(1)": S1}[layout]
     gen = torch.Generator().manual_seed(3)
@@ -98,6 +107,10 @@ def adamw_steps(layout: str, foreach: bool) -> dict[str, Any]:
     opt_ref = torch.optim.AdamW(reference, lr=0.05, weight_decay=0.1, foreach=foreach)
     fast = sbpflow.GlobalTensor._op_dispatcher.fast
     fast.clear()
+    if _EVICT.get("now"):
+        for n in range(1, 9):  # every metadata entry before these is dropped
+            torch.zeros(n, 7).to_global(pl, B)
+        assert not any(p._meta is m for p in params for m in sbpflow._global._metas.values())
     for step_grads in grads:
         for p, r, g in zip(params, reference, step_grads, strict=True):
             p.grad = make(g, pl, p.sbp)
@@ -113,14 +126,27 @@ def adamw_steps(layout: str, foreach: bool) -> dict[str, Any]:
     }
 
 
+_EVICT: dict[str, bool] = {}
+
+
+def _adamw_steps_evicted(layout: str, foreach: bool) -> dict[str, Any]:
+    _EVICT["now"] = True
+    try:
+        return adamw_steps(layout, foreach)
+    finally:
+        _EVICT.clear()
+
+
 @pytest.mark.parametrize("dist_pool", [2], indirect=True)
 def test_adamw_takes_the_handler_and_matches(dist_pool: DistributedPool) -> None:
     for layout in ("B", "S(0)", "S(1)"):
         for foreach in (False, True):
-            for result in dist_pool.run(adamw_steps, layout, foreach):
-                assert max(result["errors"]) < 1e-6, (layout, foreach, result)
-                if not foreach:  # the loop's ops: not left to the general path
-                    assert result["general fast entries"] == [], (layout, result)
+            for evicted in (False, True):
+                for result in dist_pool.run(adamw_steps, layout, foreach, evicted):
+                    where = (layout, foreach, evicted, result)
+                    assert max(result["errors"]) < 1e-6, where
+                    if not foreach:  # the loop's ops: not left to the general path
+                        assert result["general fast entries"] == [], where
 
 
 def detached_view_write() -> str:
