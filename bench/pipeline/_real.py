@@ -10,7 +10,8 @@ with the same accumulation (the other rank waits). The variants are interleaved:
 repetition runs each once, in an order rotating from one repetition to the next; a step
 starts after a barrier and its time is the slowest rank's. Host CPU per action: the CPU
 time of the rank's main thread (``time.thread_time``) in each compute action (sbpflow: the
-runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the stage).
+runtime's actions; torch: ``forward_one_chunk`` / ``backward_one_chunk`` of the stage), and
+in each whole step.
 
 Part 4, 2 ranks, 2 stages: the split backward's weight pass. ``sbpflow.nn.Graph`` with
 ``1f1b`` and with ``zero_bubble`` on the same stages, interleaved: step time, and host CPU of
@@ -203,9 +204,15 @@ def _patched_actions(cpu: _ActionCpu, halves: bool = False) -> Callable[[], None
 def _interleaved(
     steps: dict[str, Callable[[], None]], reps: int, cpus: dict[str, _ActionCpu]
 ) -> dict[str, dict[str, Any]]:
-    """Each repetition runs every step once, in an order rotating by one; warmup dropped."""
+    """Each repetition runs every step once, in an order rotating by one; warmup dropped.
+
+    ``cpu_step``: the CPU time of the rank's main thread in a whole step (median), every
+    transfer, loss and optimizer step included: the same work for sbpflow and torch, where
+    the CPU per action covers what each counts as the action (torch's leaves out the sends,
+    receives and the loss, which sbpflow's forward and backward include)."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
+    step_cpu: dict[str, list[float]] = {n: [] for n in names}
     per_action: dict[str, dict[str, list[float]]] = {n: {k: [] for k in KINDS} for n in names}
     for rep in range(2 + reps):
         for i in range(len(names)):
@@ -214,12 +221,14 @@ def _interleaved(
             if cpu is not None:
                 cpu.clear()
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             steps[name]()
+            used = time.thread_time() - start_cpu
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep >= 2:
                 times[name].append(elapsed.item())
+                step_cpu[name].append(used)
                 if cpu is not None:
                     for kind in KINDS:
                         per_action[name][kind] += cpu.seconds[kind]
@@ -230,6 +239,7 @@ def _interleaved(
     return {
         n: {
             "times": times[n],
+            "cpu_step": median(step_cpu[n]),
             "cpu_f": median(per_action[n]["F"]),
             "cpu_b": median(per_action[n]["B"]),
             "moves_f": median(per_action[n]["F moves"]),
