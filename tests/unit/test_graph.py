@@ -309,6 +309,45 @@ def test_gradient_is_the_mean_of_micro_batch_gradients_plus_what_was_there() -> 
         torch.testing.assert_close(p.grad, e + g / 3)
 
 
+@pytest.mark.parametrize("fails", ["build", "setting up the stage inputs"])
+def test_a_step_that_raises_leaves_the_gradients_as_they_were(
+    fails: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever part of the call raises, the gradients there before it are left untouched
+    (none lost, no partial gradient of the failed step added)."""
+    from sbpflow.nn.pipeline import graph as graph_module
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    earlier = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), earlier, strict=True):
+        p.grad = g.clone()
+
+    class Failing(Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.config.set_gradient_accumulation_steps(2)
+
+        def build(self, x: torch.Tensor) -> torch.Tensor:
+            loss = self.model(x).sum()
+            loss.backward()
+            if fails == "build" and x[0, 0] < 100:  # the first micro-batch's gradient is in
+                raise RuntimeError("build failed")
+            return loss
+
+    def failing_stage_inputs(stages: Any) -> Any:
+        raise RuntimeError("stage inputs failed")
+
+    if fails != "build":
+        monkeypatch.setattr(graph_module, "_stage_inputs", failing_stage_inputs)
+    with pytest.raises(RuntimeError, match="failed"):
+        Failing()(torch.randn(4, 3))
+    for p, g in zip(model.parameters(), earlier, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, g)
+
+
 def test_batch_that_the_steps_do_not_divide() -> None:
     graph = Step(nn.Linear(4, 2), steps=4, opt=None)
     with pytest.raises(

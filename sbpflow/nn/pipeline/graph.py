@@ -292,11 +292,8 @@ class Graph:
         num_microbatches = self.config.gradient_accumulation_steps
         microbatches = split_microbatches(args, kwargs, num_microbatches)
         compile_forwards(self._compiled_modules(stages), self.config._compile_options)
-        earlier = [(p, p.grad) for p in params if p.grad is not None]
-        for p, _ in earlier:
-            p.grad = None
         contexts = microbatch_contexts(num_microbatches)  # NOTE [micro-batch random streams]
-        with _stage_inputs(stages), _gradients_kept_if_failed(params, earlier):
+        with _gradients_kept_if_failed(params) as earlier, _stage_inputs(stages):
             if len(stages) > 1:
                 schedule = self.schedule()
                 self._early_receives.enabled = self.config.early_receives_enabled
@@ -451,13 +448,17 @@ def _average_grads(
 
 @contextlib.contextmanager
 def _gradients_kept_if_failed(
-    params: list[torch.Tensor], earlier: list[tuple[torch.Tensor, torch.Tensor]]
-) -> Iterator[None]:
-    """When the step raises, leave each parameter's gradient as it was before the call: the
-    micro-batches that ran before the failure accumulated only part of the step's gradient,
-    which the next step would otherwise add to its own."""
+    params: list[torch.Tensor],
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Set the parameters' gradients aside for the step (yielding them) and, when the step
+    raises, leave each as it was before the call: the micro-batches that ran before the
+    failure accumulated only part of the step's gradient, which the next step would
+    otherwise add to its own."""
+    earlier = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in earlier:
+        p.grad = None
     try:
-        yield
+        yield earlier
     except BaseException:
         for p in params:
             p.grad = None
