@@ -118,8 +118,7 @@ def reprice(
     ``model`` and ``example_inputs`` must be those the plan was made for. Every op keeps
     its planned strategy; only where a tensor read by several ops is boxed for all of them
     (and its gradients summed) is chosen again, as the search chooses it under the new prices
-    (the cheapest, or a near-equal one with fewer collectives: NOTE [near-equal plans] in
-    _solve.py).
+    (the cheapest).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan from auto_parallel, got {type(plan).__name__}.")
