@@ -417,6 +417,8 @@ def _search_bucket_savings(collectives: Sequence[Collective], prices: Prices) ->
     for axes, found in _gradient_all_reduces(collectives).items():
         fixed = prices.bucket_fixed_seconds(axes)
         saved += sum(fixed * (1.0 - c.bytes_per_rank / BUCKET_CAP_BYTES) for c in found) - fixed
+        if sum(c.bytes_per_rank for c in found) > FIRST_BUCKET_BYTES:
+            saved -= fixed  # a second bucket
     return saved
 
 

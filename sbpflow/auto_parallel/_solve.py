@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..sbp import NdSbp, broadcast
 from ._capture import Graph, Node
 from ._costs import Prices, local_bytes
@@ -181,8 +182,9 @@ class _Program:
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
-        # (column, axes): the column runs a parameter gradient's all_reduce over those axes
-        self.buckets: list[tuple[int, tuple[int, ...]]] = []
+        # (column, axes, bytes): the column runs parameter gradients' all_reduces of those
+        # bytes per rank over those axes
+        self.buckets: list[tuple[int, tuple[int, ...], float]] = []
 
     def choice(
         self,
@@ -206,12 +208,13 @@ class _Program:
         left: dict[object, list[int]],
         right: dict[object, list[int]],
         table: dict[tuple[object, object], float],
-        buckets: dict[tuple[object, object], tuple[tuple[int, ...], ...]] | None = None,
+        buckets: dict[tuple[object, object], tuple[tuple[tuple[int, ...], float], ...]]
+        | None = None,
         update: dict[tuple[object, object], float] | None = None,
     ) -> None:
         """Add ``table[a, b]`` seconds (and ``update[a, b]`` seconds of the optimizer's
         update) when the left choice is in group a and the right in group b (and mark it as
-        running the parameter gradient all_reduces ``buckets[a, b]``)."""
+        running the parameter gradient all_reduces ``buckets[a, b]``: axes and bytes)."""
         buckets = buckets or {}
         update = update or {}
         if not any(table.values()) and not any(buckets.values()) and not any(update.values()):
@@ -221,12 +224,12 @@ class _Program:
                 for col in right[b] if len(left) == 1 else left[a]:
                     self.cost[col] += c
                     self.update[col] += update.get((a, b), 0.0)
-                    self.buckets += [(col, axes) for axes in buckets.get((a, b), ())]
+                    self.buckets += [(col, *mark) for mark in buckets.get((a, b), ())]
             return
         index = {}
         for key, c in table.items():
             index[key] = len(self.cost)
-            self.buckets += [(index[key], axes) for axes in buckets.get(key, ())]
+            self.buckets += [(index[key], *mark) for mark in buckets.get(key, ())]
             self.cost.append(c)
             self.update.append(update.get(key, 0.0))
             self.memory.append(0.0)
@@ -278,13 +281,19 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     counts = Counter(reps)
 
     def gradient(
-        u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
-    ) -> tuple[float, tuple[tuple[int, ...], ...]]:
-        """Seconds and bucketed all_reduce axes of boxing the gradient of ``u`` into ``u``'s
-        own layout: a parameter's is all-reduced in buckets."""
-        if graph.nodes[u].kind == "param":
-            return prices.gradient_boxing(shape, dtype, src, dst)
-        return prices.boxing(shape, dtype, src, dst)[0], ()
+        u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp, times: int
+    ) -> tuple[float, tuple[tuple[tuple[int, ...], float], ...]]:
+        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, and the axes and
+        bytes of its all_reduces the buckets run (a parameter's), ``times`` times."""
+        if graph.nodes[u].kind != "param":
+            return times * prices.boxing(shape, dtype, src, dst)[0], ()
+        seconds, _ = prices.gradient_boxing(shape, dtype, src, dst)
+        marks = tuple(
+            (step.axes, times * step.bytes_per_rank)
+            for step in prices.boxing(shape, dtype, src, dst)[1]
+            if prices.bucket_discount(step, dst)
+        )
+        return times * seconds, marks
 
     program = _Program()
     offset: dict[int, int] = {}
@@ -350,12 +359,16 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         layouts = candidates[(u, o)]
         sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
-        found = {(a, g): gradient(u, shape, dtype, g, a[1]) for a in left for g in right}  # type: ignore[index]
+        found = {
+            (a, g): gradient(u, shape, dtype, g, a[1], counts[u])  # type: ignore[index]
+            for a in left
+            for g in right
+        }
         program.pair(
             left,
             right,
-            {key: counts[u] * seconds for key, (seconds, _) in found.items()},
-            {key: axes for key, (_, axes) in found.items()},
+            {key: seconds for key, (seconds, _) in found.items()},
+            {key: marks for key, (_, marks) in found.items()},
         )
 
     # edges, merged per (producer class, output, consumer class, input)
@@ -385,24 +398,27 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         for a in left:
             for b in right:
                 forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
-                backward: tuple[float, tuple[tuple[int, ...], ...]] = (0.0, ())
+                backward: tuple[float, tuple[tuple[tuple[int, ...], float], ...]] = (0.0, ())
                 if _needs_grad(graph, u, o):
-                    backward = gradient(u, shape, dtype, b[1], a[1])  # type: ignore[index]
-                table[(a, b)] = count * (forward + backward[0])
+                    backward = gradient(u, shape, dtype, b[1], a[1], count)  # type: ignore[index]
+                table[(a, b)] = count * forward + backward[0]
                 marks[(a, b)] = backward[1]
                 if param is not None:
                     update[(a, b)] = count * prices.stored_split_seconds(param, a[0], b[0])  # type: ignore[index]
         program.pair(left, right, table, marks, update)
 
-    # one bucket's fixed cost per set of axes parameter gradients are all-reduced over
-    bucket_columns = {}
-    for axes in sorted({axes for _, axes in program.buckets}):
-        bucket_columns[axes] = len(program.cost)
-        program.cost.append(prices.bucket_fixed_seconds(axes))
-        program.update.append(0.0)
-        program.memory.append(0.0)
-        program.tie_break.append(0.0)
-        program.integer.append(1)
+    # one bucket's fixed cost per set of axes parameter gradients are all-reduced over, and
+    # another where they overflow the small first bucket (NOTE [bucketed gradients in the
+    # search] in _costs.py)
+    bucket_columns, second_columns = {}, {}
+    for axes in sorted({axes for _, axes, _ in program.buckets}):
+        for columns in (bucket_columns, second_columns):
+            columns[axes] = len(program.cost)
+            program.cost.append(prices.bucket_fixed_seconds(axes))
+            program.update.append(0.0)
+            program.memory.append(0.0)
+            program.tie_break.append(0.0)
+            program.integer.append(1)
 
     num_vars = len(program.cost)
     c_time = np.asarray(program.cost)
@@ -424,12 +440,25 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
                 [1.0, -1.0] * len(program.buckets),
                 (
                     [r for r in rows for _ in (0, 1)],
-                    [c for col, axes in program.buckets for c in (col, bucket_columns[axes])],
+                    [c for col, axes, _ in program.buckets for c in (col, bucket_columns[axes])],
                 ),
             ),
             shape=(len(program.buckets), num_vars),
         )
         constraints.append(LinearConstraint(marks, -np.inf, 0.0))
+        # the bytes bucketed over axes <= the first bucket's, or second[axes] = 1
+        order = sorted(second_columns)
+        data, row_ids, col_ids = [], [], []
+        for col, axes, num_bytes in program.buckets:
+            data.append(num_bytes)
+            row_ids.append(order.index(axes))
+            col_ids.append(col)
+        for r, axes in enumerate(order):
+            data.append(-sum(b for _, a, b in program.buckets if a == axes))
+            row_ids.append(r)
+            col_ids.append(second_columns[axes])
+        overflow = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(order), num_vars))
+        constraints.append(LinearConstraint(overflow, -np.inf, float(FIRST_BUCKET_BYTES)))
     if budget is not None and objective == "time":
         constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
     integrality = np.asarray(program.integer)
