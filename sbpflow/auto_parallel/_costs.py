@@ -222,8 +222,8 @@ class Prices:
         axes (nn/parallel/_reducer.py), so such an all_reduce is priced with its bytes and
         only its share ``bytes / BUCKET_CAP_BYTES`` of a bucket's fixed cost; the program
         adds the fixed cost of one bucket once per set of axes any such all_reduce runs
-        over (the first bucket). Linear, and within one bucket's fixed cost of the
-        runtime's count. Other steps (a reduce_scatter into a sharded parameter) run alone:
+        over (the first bucket), and of another where their bytes overflow the small first
+        bucket (``FIRST_BUCKET_BYTES``): the runtime's count up to the third bucket. Other steps (a reduce_scatter into a sharded parameter) run alone:
         no discount; nor does a gradient of a bucket's size or more, which fills a bucket
         of its own (its share would be negative: priced above running alone, and unlike
         the plan's account of the buckets, which counts only discounted all_reduces).

@@ -16,7 +16,9 @@
 # the data-parallel buckets run it (NOTE [bucketed gradients in the search] in _costs.py):
 # its bytes and its share of a bucket's fixed cost, plus one binary u[axes] per set of mesh
 # axes such all_reduces run over, which any choice (or pair variable) that runs one forces
-# to 1, and which costs one bucket's fixed cost: the first bucket. (A view of a parameter
+# to 1, and which costs one bucket's fixed cost: the first bucket; and one binary per set of
+# axes forced to 1 where the bytes so bucketed exceed the small first bucket's, which costs a
+# second bucket's. (A view of a parameter
 # hands a partial gradient on to it: the all_reduce can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
@@ -185,6 +187,9 @@ class _Program:
         # (column, axes, bytes): the column runs parameter gradients' all_reduces of those
         # bytes per rank over those axes
         self.buckets: list[tuple[int, tuple[int, ...], float]] = []
+        # per set of axes, the most bytes the chosen columns can bucket over them: the sum
+        # over one-hot groups of each group's most
+        self.bucket_bound: Counter[tuple[int, ...]] = Counter()
 
     def choice(
         self,
@@ -219,6 +224,11 @@ class _Program:
         update = update or {}
         if not any(table.values()) and not any(buckets.values()) and not any(update.values()):
             return
+        most: dict[tuple[int, ...], float] = {}
+        for marks in buckets.values():
+            for axes, num_bytes in marks:
+                most[axes] = max(most.get(axes, 0.0), num_bytes)
+        self.bucket_bound.update(most)
         if len(left) == 1 or len(right) == 1:
             for (a, b), c in table.items():
                 for col in right[b] if len(left) == 1 else left[a]:
@@ -454,7 +464,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             row_ids.append(order.index(axes))
             col_ids.append(col)
         for r, axes in enumerate(order):
-            data.append(-sum(b for _, a, b in program.buckets if a == axes))
+            data.append(-max(program.bucket_bound[axes] - FIRST_BUCKET_BYTES, 1.0))
             row_ids.append(r)
             col_ids.append(second_columns[axes])
         overflow = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(order), num_vars))
