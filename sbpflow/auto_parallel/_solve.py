@@ -18,8 +18,8 @@
 # axes such all_reduces run over, which any choice (or pair variable) that runs one forces
 # to 1, and which costs one bucket's fixed cost: the first bucket; and one binary per set of
 # axes forced to 1 where the bytes so bucketed exceed the small first bucket's, which costs a
-# second bucket's. (A view of a parameter
-# hands a partial gradient on to it: the all_reduce can always happen at the parameter.)
+# second bucket's. (A view of a parameter hands a partial gradient on to it: the all_reduce
+# can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
 #
