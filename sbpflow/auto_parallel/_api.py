@@ -118,8 +118,7 @@ def reprice(
     ``model`` and ``example_inputs`` must be those the plan was made for. Every op keeps
     its planned strategy; only where a tensor read by several ops is boxed for all of them
     (and its gradients summed) is chosen again, as the search chooses it under the new prices
-    (the cheapest, or a near-equal one with fewer collectives: NOTE [near-equal plans] in
-    _solve.py).
+    (the cheapest).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan from auto_parallel, got {type(plan).__name__}.")
@@ -418,6 +417,8 @@ def _search_bucket_savings(collectives: Sequence[Collective], prices: Prices) ->
     for axes, found in _gradient_all_reduces(collectives).items():
         fixed = prices.bucket_fixed_seconds(axes)
         saved += sum(fixed * (1.0 - c.bytes_per_rank / BUCKET_CAP_BYTES) for c in found) - fixed
+        if sum(c.bytes_per_rank for c in found) > FIRST_BUCKET_BYTES:
+            saved -= fixed  # a second bucket
     return saved
 
 

@@ -11,15 +11,19 @@
 # costs its collective (the boxing planner's price) plus ``op_seconds`` (or
 # ``boxing_op_seconds`` where given, as ``calibrate_compute`` measures it): issuing it is eager
 # work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
-# then an all_gather) the one with fewer steps is cheaper. The optimizer's update of each
-# parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local piece
-# (AdamW: 9, plain SGD: 1), each ``update_op_seconds`` (an op outside autograd: a few times
-# cheaper than ``op_seconds``) plus its bytes (two read, one written) at
-# ``bytes_per_second``. The update is part of the predicted step but not of the search: it
-# does not depend on the layouts but through its bytes, and a sharded update is cheaper, so
-# priced in the search it would shard weights over every axis (ZeRO) to save a few percent of
-# the optimizer's memory traffic. ``calibrate_compute`` measures the three rates on this
-# machine; plans use them only when they are passed.
+# then an all_gather) the one with fewer steps is cheaper. A step that communicates costs
+# ``collective_seconds`` more per latency round (``ceil(log2 p)`` on ``p`` ranks, as the cost
+# model counts them): each is a point where every rank of its group waits for the slowest,
+# which an alpha-beta fit of collectives timed back to back does not see, and a larger
+# group has more ranks to wait for. On the busy 2-core host the tests run on, a boxing step
+# of a few floats on 2 ranks took 0.57-0.99 ms inside a step against its 0.13 ms alpha-beta
+# price and 0.05 ms of eager work: the CPU default is 0.6 ms a round. The optimizer's update
+# of each parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local
+# piece (AdamW: 9, plain SGD: 1), each ``update_op_seconds`` (an op outside autograd: a few
+# times cheaper than ``op_seconds``) plus its bytes (two read, one written) at
+# ``bytes_per_second``. The search weighs it (NOTE [the update in the search] in
+# _solve.py). ``calibrate_compute`` measures the rates on this machine; plans use them only
+# when they are passed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..boxing.cost import CostModel, backend_for
 from ..boxing.plan import BoxingStep
 from ..nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB
 from ..placement import Placement
-from ..sbp import Broadcast, NdSbp, Split
+from ..sbp import Broadcast, NdSbp, Split, broadcast
 from ._capture import Node
 from ._strategies import Strategy, op_flops
 
@@ -49,13 +53,16 @@ BACKWARD_FACTOR = 2.0  # a backward costs about twice its forward (two matmuls p
 # lerp/mul_ for the moments, sqrt, div, addcdiv_, the weight decay, the step): one for the
 # update itself and about four per state tensor; plain SGD runs one (add_).
 OPS_PER_STATE = 4
+# the CPU default of ``ComputeModel.collective_seconds`` (NOTE [default prices])
+COLLECTIVE_SECONDS = 0.6e-3
 
 
 @dataclass(frozen=True)
 class ComputeModel:
     """Roofline of one device: floating-point operations and memory bytes per second, the
-    fixed seconds of running one op of the step (or one boxing step) eagerly, and those of
-    one elementwise op of the optimizer's update, outside autograd (NOTE [default prices])."""
+    fixed seconds of running one op of the step (or one boxing step) eagerly, those of one
+    elementwise op of the optimizer's update, outside autograd, and what each collective
+    costs beyond its cost model's price (NOTE [default prices])."""
 
     flops_per_second: float
     bytes_per_second: float
@@ -63,6 +70,8 @@ class ComputeModel:
     update_op_seconds: float = 0.0
     # eager work of one boxing step beside its collective (None: ``op_seconds``)
     boxing_op_seconds: float | None = None
+    # waiting for the slowest rank of the group, per latency round of a collective
+    collective_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.boxing_op_seconds is not None:
@@ -77,9 +86,11 @@ class ComputeModel:
                     f"ComputeModel.boxing_op_seconds must be None or a non-negative finite "
                     f"number, got {value!r}."
                 )
-        for name in ("flops_per_second", "bytes_per_second", "op_seconds", "update_op_seconds"):
+        rates = ("flops_per_second", "bytes_per_second")
+        fixed = ("op_seconds", "update_op_seconds", "collective_seconds")
+        for name in rates + fixed:
             value = getattr(self, name)
-            positive = name not in ("op_seconds", "update_op_seconds")
+            positive = name in rates
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
@@ -100,10 +111,11 @@ class ComputeModel:
         # eager work per op on a global tensor, forward and backward each, ~15 us per op of
         # the optimizer's update) and a data-centre GPU (~400 TFLOP/s dense bf16/tf32,
         # ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python; ~10 us per
-        # update op).
+        # update op); ~0.6 ms (CPU, gloo: NOTE [default prices]) and ~10 us (GPU, NCCL) of
+        # waiting per latency round of a collective.
         if device_type == "cuda":
-            return ComputeModel(400e12, 2e12, 20e-6, 10e-6)
-        return ComputeModel(100e9, 20e9, 50e-6, 15e-6)
+            return ComputeModel(400e12, 2e12, 20e-6, 10e-6, collective_seconds=10e-6)
+        return ComputeModel(100e9, 20e9, 50e-6, 15e-6, collective_seconds=COLLECTIVE_SECONDS)
 
 
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -176,22 +188,31 @@ class Prices:
             result = boxing_plan(
                 shape, dtype, (self.placement, src), (self.placement, dst), self.cost_model
             )
-            extra = self.compute.boxing_op_seconds  # issuing each step eagerly
-            if extra is None:
-                extra = self.compute.op_seconds
-            steps = tuple(dataclasses.replace(s, cost=s.cost + extra) for s in result.steps)
-            found = (result.cost + extra * len(steps), steps)
+            extras = [self._step_extra(s.axes if s.is_collective else ()) for s in result.steps]
+            steps = tuple(
+                dataclasses.replace(s, cost=s.cost + e)
+                for s, e in zip(result.steps, extras, strict=True)
+            )
+            found = (result.cost + sum(extras), steps)
             self._boxing[key] = found
         return found
 
-    def bucket_fixed_seconds(self, axes: tuple[int, ...]) -> float:
-        """What one all_reduce over ``axes`` costs whatever its bytes: its latency rounds,
-        step overhead and the eager work of a boxing step (paid once per bucket)."""
-        ranks = math.prod(self.mesh[a] for a in axes)
+    def _step_extra(self, axes: tuple[int, ...]) -> float:
+        """What a boxing step costs beside its cost model's price: issuing it eagerly, and
+        for a collective over ``axes`` waiting for the group's slowest rank, per latency
+        round (NOTE [default prices])."""
         extra = self.compute.boxing_op_seconds
         if extra is None:
             extra = self.compute.op_seconds
-        return self.cost_model.all_reduce(ranks, 0.0) + extra
+        rounds = (math.prod(self.mesh[a] for a in axes) - 1).bit_length()
+        return extra + self.compute.collective_seconds * rounds
+
+    def bucket_fixed_seconds(self, axes: tuple[int, ...]) -> float:
+        """What one all_reduce over ``axes`` costs whatever its bytes: its latency rounds,
+        step overhead, the eager work of a boxing step and the wait of a collective (paid
+        once per bucket)."""
+        ranks = math.prod(self.mesh[a] for a in axes)
+        return self.cost_model.all_reduce(ranks, 0.0) + self._step_extra(axes)
 
     def bucket_discount(self, step: BoxingStep, dst: NdSbp) -> float:
         """What a parameter gradient's boxing step costs less in a bucket than alone.
@@ -201,8 +222,8 @@ class Prices:
         axes (nn/parallel/_reducer.py), so such an all_reduce is priced with its bytes and
         only its share ``bytes / BUCKET_CAP_BYTES`` of a bucket's fixed cost; the program
         adds the fixed cost of one bucket once per set of axes any such all_reduce runs
-        over (the first bucket). Linear, and within one bucket's fixed cost of the
-        runtime's count. Other steps (a reduce_scatter into a sharded parameter) run alone:
+        over (the first bucket), and of another where their bytes overflow the small first
+        bucket (``FIRST_BUCKET_BYTES``): the runtime's count up to the third bucket. Other steps (a reduce_scatter into a sharded parameter) run alone:
         no discount; nor does a gradient of a bucket's size or more, which fills a bucket
         of its own (its share would be negative: priced above running alone, and unlike
         the plan's account of the buckets, which counts only discounted all_reduces).
@@ -226,24 +247,6 @@ class Prices:
                 axes.append(step.axes)
         return seconds, tuple(axes)
 
-    def collectives(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        src: NdSbp,
-        dst: NdSbp,
-        parameter: bool = False,
-    ) -> int:
-        """Collectives of the boxing ``src -> dst`` (local steps aside); with ``parameter``,
-        a gradient boxed into a parameter laid out ``dst``, whose all_reduces the buckets run
-        count none of their own (the search counts each set of bucket axes once: NOTE
-        [near-equal plans] in _solve.py)."""
-        return sum(
-            1
-            for step in self.boxing(shape, dtype, src, dst)[1]
-            if step.is_collective and not (parameter and self.bucket_discount(step, dst))
-        )
-
     def compute_seconds(self, node: Node, strategy: Strategy) -> float:
         """Forward and (when the op needs gradients) backward compute of one rank."""
         if node.kind != "op":
@@ -258,8 +261,31 @@ class Prices:
 
     def optimizer_seconds(self, node: Node, strategy: Strategy) -> float:
         """The optimizer's update of a trained parameter, on one rank's piece."""
+        return self.update_seconds(node, strategy.outputs[0])
+
+    def update_seconds(self, node: Node, layout: NdSbp) -> float:
+        """The optimizer's update of a trained parameter stored in ``layout``, one rank."""
         if node.kind != "param" or not node.requires_grad:
             return 0.0
-        size = local_bytes(node.out_shapes[0], node.out_dtypes[0], strategy.outputs[0], self.mesh)
+        size = local_bytes(node.out_shapes[0], node.out_dtypes[0], layout, self.mesh)
         per_op = self.compute.update_op_seconds + 3.0 * size / self.compute.bytes_per_second
         return self.optimizer_ops * per_op
+
+    def stored_split_seconds(self, node: Node, stored: NdSbp, read: NdSbp) -> float:
+        """What the update of a parameter stored in ``stored`` but read in ``read`` saves by
+        being split on the axes where it is read whole (gathered to be used, its gradient
+        reduce-scattered: ZeRO), against being stored as it is read there.
+
+        The search gives this back (NOTE [the update in the search] in _solve.py), so a
+        split parameter's smaller update counts where its compute is split too (tensor
+        parallel), not where only its storage is (the memory budget's business).
+        """
+        if node.kind != "param" or not node.requires_grad:
+            return 0.0
+        whole = tuple(
+            broadcast if isinstance(s, Split) and not isinstance(r, Split) else s
+            for s, r in zip(stored, read, strict=True)
+        )
+        if whole == stored:
+            return 0.0
+        return self.update_seconds(node, whole) - self.update_seconds(node, stored)

@@ -143,7 +143,7 @@ class Plan:
     memory: Memory
     compute_seconds: float
     boxing_seconds: float
-    optimizer_seconds: float  # the optimizer's update of every parameter (not searched)
+    optimizer_seconds: float  # the optimizer's update of every parameter
     memory_budget: float | None
     num_variables: int
     num_constraints: int

@@ -9,53 +9,55 @@
 # gradient layout) (w[m]); continuous y[k, m] >= 0 with sum_m y[k, m] = z[k] and
 # sum_k y[k, m] = w[m] is exactly z[k] * w[m] once z and w are one-hot, so the edge's cost
 # sum c[k, m] y[k, m] is linear. Edges whose two ends have one group each need no y.
-# Minimise compute + boxing seconds (each tied class counted once per member), subject to
-# the bytes per rank (parameters, gradients, optimizer state, activations) <= the budget.
+# Minimise compute + boxing + the optimizer's update seconds (each tied class counted once
+# per member; NOTE [the update in the search]), subject to the bytes per rank (parameters,
+# gradients, optimizer state, activations) <= the budget.
 # The all_reduce of a parameter's gradient into the parameter (broadcast there) is priced as
 # the data-parallel buckets run it (NOTE [bucketed gradients in the search] in _costs.py):
 # its bytes and its share of a bucket's fixed cost, plus one binary u[axes] per set of mesh
 # axes such all_reduces run over, which any choice (or pair variable) that runs one forces
-# to 1, and which costs one bucket's fixed cost: the first bucket. (A view of a parameter
-# hands a partial gradient on to it: the all_reduce can always happen at the parameter.)
+# to 1, and which costs one bucket's fixed cost: the first bucket; and one binary per set of
+# axes forced to 1 where the bytes so bucketed exceed the small first bucket's, which costs a
+# second bucket's. (A view of a parameter hands a partial gradient on to it: the all_reduce
+# can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
 #
-# NOTE [near-equal plans]
-# The prices are a model, and two plans whose predicted steps differ by less than its error
-# are equal as far as it can tell: on 2 ranks, Megatron's MLP blocks (one all_reduce per
-# block and direction) and their sequence-parallel variant (a reduce_scatter and an
-# all_gather instead, the norms and residual adds on half the rows) are predicted 0.1%
-# apart, and which one wins flips with the eager cost of a boxing step. What the model does
-# not price is that every collective is a point where each rank of its group waits for the
-# slowest: on a busy 2-core host a 16-float all_reduce takes 0.2-0.5 ms against its 0.13 ms
-# alpha-beta price, and the sequence-parallel blocks (16 collectives a step) measured 1.19x
-# the all-reducing ones (8). So the search runs twice: first for the fastest searched step
-# T with C collectives, then again with each collective priced ``NEAR_EQUAL * T / C`` more:
-# a plan with fewer collectives wins where it is slower by less than that share per
-# collective saved, never by more than ``NEAR_EQUAL * T`` in all. A collective is a boxing
-# step that communicates (slices and zeros are local), counted once per tied class member;
-# parameter gradients' bucketed all_reduces count once per set of mesh axes (the bucket
-# variable u). The second plan is kept only where its predicted step, the optimizer's
-# update included (not searched: NOTE [default prices] in _costs.py), is within
-# ``NEAR_EQUAL`` of the first's; else the first plan stands. (Data parallelism trades
-# collectives for a replicated update: without that check the small Llama's plan would
-# drop Megatron's MLP for it, predicted 5% slower.) The price is a weight of the second
-# search only: the plan's predicted step is its prices'. A weighted sum solves as fast as
-# the first search, where a lexicographic second search under a bound on the step took
-# HiGHS ten times longer. Both searches are deterministic, so the plan is still the same on
-# every machine.
+# NOTE [the update in the search]
+# A parameter's update runs on its local piece (``Prices.update_seconds``): a split weight
+# updates 1/n of its elements per rank, a broadcast one all of them. The cost is linear in
+# the parameter's choice, so it sits in the one search as a price of each of its strategies.
+# Left out, the small Llama of bench/auto_parallel on 2 ranks (batch broadcast) searched
+# fastest with its attention data parallel over the batch, the weights broadcast (21
+# collectives a step), where torchtitan's layout, which updates half of each attention
+# weight per rank, is predicted faster once the update counts. Counted alone it would
+# shard weights that are read whole on every axis (ZeRO: gathered to be used, gradients
+# reduce-scattered) to save a few percent of the update's memory traffic: storage that
+# saves memory, the budget's business. So the update a parameter saves by being stored
+# split where a reader reads it whole is given back on that edge
+# (``Prices.stored_split_seconds``, per edge from the parameter or a view of it: a
+# parameter stored split and read whole by two ops is given it back twice, which only
+# holds such storage back further where no budget asks for it). A split whose compute is
+# split with it (tensor parallel) keeps its smaller update. The plan's searched seconds
+# (``Solution.seconds``) stay compute and boxing; the predicted step adds the update.
+#
+# Each collective also costs ``ComputeModel.collective_seconds``, its wait for the group's
+# slowest rank (NOTE [default prices] in _costs.py): on 2 ranks Megatron's MLP blocks (one
+# all_reduce per block and direction) are thus predicted faster than their
+# sequence-parallel variant (a reduce_scatter and an all_gather instead, the norms and
+# residual adds on half the rows), which the alpha-beta prices alone put 0.1% ahead and which
+# measured 1.19x slower on the busy test host.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..sbp import NdSbp, broadcast
 from ._capture import Graph, Node
 from ._costs import Prices, local_bytes
@@ -71,9 +73,6 @@ __all__ = [
 ]
 
 _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
-# relative slack of the predicted step within which fewer collectives win (NOTE
-# [near-equal plans])
-NEAR_EQUAL = 0.02
 
 
 @dataclass
@@ -141,19 +140,6 @@ def output_seconds(
     return best
 
 
-def _output_collectives(
-    graph: Graph, prices: Prices, output: tuple[int, int], layout: NdSbp, needs: NdSbp
-) -> int:
-    """Collectives of handing an output to the loss the way ``output_seconds`` chose."""
-    node = graph.nodes[output[0]]
-    shape, dtype = node.out_shapes[output[1]], node.out_dtypes[output[1]]
-    target = output_seconds(graph, prices, output, layout, needs)[1]
-    found = prices.collectives(shape, dtype, layout, target)
-    if node.requires_grad:
-        found += prices.collectives(shape, dtype, target, needs)
-    return found
-
-
 def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
     """Outputs (of representatives) read by several ops.
 
@@ -173,6 +159,14 @@ def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
     return {(u, o) for (u, o), n in uses.items() if n > 1 and reps[u] == u}
 
 
+def _stored(graph: Graph, u: int) -> Node | None:
+    """The parameter node ``u`` is (or is a view of), if any: where its update is."""
+    node = graph.nodes[u]
+    while is_view(node) and node.inputs:
+        node = graph.nodes[node.inputs[0][0]]
+    return node if node.kind == "param" else None
+
+
 def _needs_grad(graph: Graph, u: int, o: int) -> bool:
     node = graph.nodes[u]
     return node.requires_grad and node.out_dtypes[o].is_floating_point
@@ -184,26 +178,29 @@ class _Program:
     def __init__(self) -> None:
         self.cost: list[float] = []
         self.memory: list[float] = []
-        self.count: list[float] = []  # collectives (NOTE [near-equal plans])
-        self.update: list[float] = []  # the optimizer's update, seconds (not searched)
+        # the optimizer's update, seconds, less what storing a parameter split where it is
+        # read whole saves of it (NOTE [the update in the search])
+        self.update: list[float] = []
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
-        # (column, axes): the column runs a parameter gradient's all_reduce over those axes
-        self.buckets: list[tuple[int, tuple[int, ...]]] = []
+        # (column, axes, bytes): the column runs parameter gradients' all_reduces of those
+        # bytes per rank over those axes
+        self.buckets: list[tuple[int, tuple[int, ...], float]] = []
+        # per set of axes, the most bytes the chosen columns can bucket over them: the sum
+        # over one-hot groups of each group's most
+        self.bucket_bound: Counter[tuple[int, ...]] = Counter()
 
     def choice(
         self,
         costs: list[float],
         memory: list[float],
-        counts: list[float] | None = None,
         update: list[float] | None = None,
     ) -> int:
         """A one-hot choice among ``len(costs)`` options; returns its first column."""
         first = len(self.cost)
         self.cost += costs
         self.memory += memory
-        self.count += counts or [0.0] * len(costs)
         self.update += update or [0.0] * len(costs)
         self.tie_break += [_TIE_BREAK * s for s in range(len(costs))]
         self.integer += [1] * len(costs)
@@ -216,30 +213,35 @@ class _Program:
         left: dict[object, list[int]],
         right: dict[object, list[int]],
         table: dict[tuple[object, object], float],
-        buckets: dict[tuple[object, object], tuple[tuple[int, ...], ...]] | None = None,
-        counts: dict[tuple[object, object], float] | None = None,
+        buckets: dict[tuple[object, object], tuple[tuple[tuple[int, ...], float], ...]]
+        | None = None,
+        update: dict[tuple[object, object], float] | None = None,
     ) -> None:
-        """Add ``table[a, b]`` seconds (and ``counts[a, b]`` collectives) when the left
-        choice is in group a and the right in group b (and mark it as running the parameter
-        gradient all_reduces ``buckets[a, b]``)."""
+        """Add ``table[a, b]`` seconds (and ``update[a, b]`` seconds of the optimizer's
+        update) when the left choice is in group a and the right in group b (and mark it as
+        running the parameter gradient all_reduces ``buckets[a, b]``: axes and bytes)."""
         buckets = buckets or {}
-        counts = counts or {}
-        if not any(table.values()) and not any(buckets.values()) and not any(counts.values()):
+        update = update or {}
+        if not any(table.values()) and not any(buckets.values()) and not any(update.values()):
             return
+        most: dict[tuple[int, ...], float] = {}
+        for marks in buckets.values():
+            for axes, num_bytes in marks:
+                most[axes] = max(most.get(axes, 0.0), num_bytes)
+        self.bucket_bound.update(most)
         if len(left) == 1 or len(right) == 1:
             for (a, b), c in table.items():
                 for col in right[b] if len(left) == 1 else left[a]:
                     self.cost[col] += c
-                    self.count[col] += counts.get((a, b), 0.0)
-                    self.buckets += [(col, axes) for axes in buckets.get((a, b), ())]
+                    self.update[col] += update.get((a, b), 0.0)
+                    self.buckets += [(col, *mark) for mark in buckets.get((a, b), ())]
             return
         index = {}
         for key, c in table.items():
             index[key] = len(self.cost)
-            self.buckets += [(index[key], axes) for axes in buckets.get(key, ())]
+            self.buckets += [(index[key], *mark) for mark in buckets.get(key, ())]
             self.cost.append(c)
-            self.count.append(counts.get(key, 0.0))
-            self.update.append(0.0)
+            self.update.append(update.get(key, 0.0))
             self.memory.append(0.0)
             self.tie_break.append(0.0)
             self.integer.append(0)
@@ -265,27 +267,21 @@ def _priced(
     count: int,
     left: dict[object, list[int]],
     right: dict[object, list[int]],
-) -> tuple[dict[tuple[object, object], float], dict[tuple[object, object], float]]:
-    """Seconds and collectives of boxing each left layout to each right one, ``count`` times."""
-    pairs = [(a, b) for a in left for b in right]
-    return (
-        {(a, b): count * prices.boxing(shape, dtype, a, b)[0] for a, b in pairs},  # type: ignore[arg-type]
-        {(a, b): count * prices.collectives(shape, dtype, a, b) for a, b in pairs},  # type: ignore[arg-type]
-    )
-
-
-def _total(prices: Any, x: Any) -> float:
-    """The prices of the variables set in the solution ``x``, summed exactly (``math.fsum``):
-    the same on every machine, where a BLAS dot product's order of summation is not."""
-    return math.fsum(prices[x > 0.5].tolist())
+) -> dict[tuple[object, object], float]:
+    """Seconds of boxing each left layout to each right one, ``count`` times."""
+    return {
+        (a, b): count * prices.boxing(shape, dtype, a, b)[0]  # type: ignore[arg-type]
+        for a in left
+        for b in right
+    }
 
 
 def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
     """Solve the program; ``None`` when no plan fits ``budget``.
 
-    ``objective="time"``: the fastest predicted step, or a near-equal plan with fewer
-    collectives (NOTE [near-equal plans]); ``objective="memory"`` minimises the bytes per
-    rank instead (the smallest footprint).
+    ``objective="time"``: the fastest predicted step, the optimizer's update included
+    (NOTE [the update in the search]); ``objective="memory"`` minimises the bytes per rank
+    instead (the smallest footprint).
     """
     import numpy as np  # imported when planning: import sbpflow needs neither
     from scipy import sparse
@@ -295,15 +291,19 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     counts = Counter(reps)
 
     def gradient(
-        u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
-    ) -> tuple[float, tuple[tuple[int, ...], ...], int]:
-        """Seconds, bucketed all_reduce axes and collectives of boxing the gradient of ``u``
-        into ``u``'s own layout: a parameter's is all-reduced in buckets."""
-        if graph.nodes[u].kind == "param":
-            seconds, axes = prices.gradient_boxing(shape, dtype, src, dst)
-            return seconds, axes, prices.collectives(shape, dtype, src, dst, parameter=True)
-        seconds = prices.boxing(shape, dtype, src, dst)[0]
-        return seconds, (), prices.collectives(shape, dtype, src, dst)
+        u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp, times: int
+    ) -> tuple[float, tuple[tuple[tuple[int, ...], float], ...]]:
+        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, and the axes and
+        bytes of its all_reduces the buckets run (a parameter's), ``times`` times."""
+        if graph.nodes[u].kind != "param":
+            return times * prices.boxing(shape, dtype, src, dst)[0], ()
+        seconds, _ = prices.gradient_boxing(shape, dtype, src, dst)
+        marks = tuple(
+            (step.axes, times * step.bytes_per_rank)
+            for step in prices.boxing(shape, dtype, src, dst)[1]
+            if prices.bucket_discount(step, dst)
+        )
+        return times * seconds, marks
 
     program = _Program()
     offset: dict[int, int] = {}
@@ -312,18 +312,14 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         options = problem.choices[rep]
         costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
         memory = [counts[rep] * node_bytes(node, s, problem) for s in options]
-        steps = [0.0] * len(options)
         for output in graph.outputs:
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
                     o = output[1]
                     seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
                     costs[k] += seconds
-                    steps[k] += _output_collectives(
-                        graph, prices, output, s.outputs[o], s.out_grads[o]
-                    )
         update = [counts[rep] * prices.optimizer_seconds(node, s) for s in options]
-        offset[rep] = program.choice(costs, memory, steps, update)
+        offset[rep] = program.choice(costs, memory, update)
 
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:
         return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
@@ -356,12 +352,15 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         spread_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(spread_offset[(u, o)], list(layouts))
         pairs = [(a, f) for a in left for f in right]
+        param = _stored(graph, u)
         program.pair(
             left,
             right,
             {(a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0] for a, f in pairs},  # type: ignore[index]
-            counts={
-                (a, f): counts[u] * prices.collectives(shape, dtype, a[0], f)  # type: ignore[index]
+            update=None
+            if param is None
+            else {
+                (a, f): counts[u] * prices.stored_split_seconds(param, a[0], f)  # type: ignore[index]
                 for a, f in pairs
             },
         )
@@ -370,13 +369,16 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         layouts = candidates[(u, o)]
         sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
-        found = {(a, g): gradient(u, shape, dtype, g, a[1]) for a in left for g in right}  # type: ignore[index]
+        found = {
+            (a, g): gradient(u, shape, dtype, g, a[1], counts[u])  # type: ignore[index]
+            for a in left
+            for g in right
+        }
         program.pair(
             left,
             right,
-            {key: counts[u] * seconds for key, (seconds, _, _) in found.items()},
-            {key: axes for key, (_, axes, _) in found.items()},
-            {key: counts[u] * n for key, (_, _, n) in found.items()},
+            {key: seconds for key, (seconds, _) in found.items()},
+            {key: marks for key, (_, marks) in found.items()},
         )
 
     # edges, merged per (producer class, output, consumer class, input)
@@ -392,46 +394,46 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         if (u, o) in many:
             left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
             right = _groups(offset[v], [s.inputs[i] for s in consumer])
-            table, steps = _priced(prices, shape, dtype, count, left, right)
-            program.pair(left, right, table, counts=steps)
+            program.pair(left, right, _priced(prices, shape, dtype, count, left, right))
             if (u, o) not in candidates:
                 continue
             grads = _groups(offset[v], [s.grads[i] for s in consumer])
             sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
-            table, steps = _priced(prices, shape, dtype, count, grads, sums_right)
-            program.pair(grads, sums_right, table, counts=steps)
+            program.pair(grads, sums_right, _priced(prices, shape, dtype, count, grads, sums_right))
             continue
         left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
-        table, marks, steps = {}, {}, {}
+        table, marks, update = {}, {}, {}
+        param = _stored(graph, u)
         for a in left:
             for b in right:
                 forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
-                collectives = prices.collectives(shape, dtype, a[0], b[0])  # type: ignore[index]
-                backward: tuple[float, tuple[tuple[int, ...], ...], int] = (0.0, (), 0)
+                backward: tuple[float, tuple[tuple[tuple[int, ...], float], ...]] = (0.0, ())
                 if _needs_grad(graph, u, o):
-                    backward = gradient(u, shape, dtype, b[1], a[1])  # type: ignore[index]
-                table[(a, b)] = count * (forward + backward[0])
+                    backward = gradient(u, shape, dtype, b[1], a[1], count)  # type: ignore[index]
+                table[(a, b)] = count * forward + backward[0]
                 marks[(a, b)] = backward[1]
-                steps[(a, b)] = count * (collectives + backward[2])
-        program.pair(left, right, table, marks, steps)
+                if param is not None:
+                    update[(a, b)] = count * prices.stored_split_seconds(param, a[0], b[0])  # type: ignore[index]
+        program.pair(left, right, table, marks, update)
 
-    # one bucket's fixed cost per set of axes parameter gradients are all-reduced over
-    bucket_columns = {}
-    for axes in sorted({axes for _, axes in program.buckets}):
-        bucket_columns[axes] = len(program.cost)
-        program.cost.append(prices.bucket_fixed_seconds(axes))
-        program.count.append(1.0)
-        program.update.append(0.0)
-        program.memory.append(0.0)
-        program.tie_break.append(0.0)
-        program.integer.append(1)
+    # one bucket's fixed cost per set of axes parameter gradients are all-reduced over, and
+    # another where they overflow the small first bucket (NOTE [bucketed gradients in the
+    # search] in _costs.py)
+    bucket_columns, second_columns = {}, {}
+    for axes in sorted({axes for _, axes, _ in program.buckets}):
+        for columns in (bucket_columns, second_columns):
+            columns[axes] = len(program.cost)
+            program.cost.append(prices.bucket_fixed_seconds(axes))
+            program.update.append(0.0)
+            program.memory.append(0.0)
+            program.tie_break.append(0.0)
+            program.integer.append(1)
 
     num_vars = len(program.cost)
     c_time = np.asarray(program.cost)
     c_memory = np.asarray(program.memory)
-    c_count = np.asarray(program.count)
-    c_step = c_time + np.asarray(program.update)  # the predicted step
+    c_update = np.asarray(program.update)
     c_ties = np.asarray(program.tie_break)
     data, row_ids, col_ids, rhs = [], [], [], []
     for r, (cols, coefs, value) in enumerate(program.rows):
@@ -448,38 +450,36 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
                 [1.0, -1.0] * len(program.buckets),
                 (
                     [r for r in rows for _ in (0, 1)],
-                    [c for col, axes in program.buckets for c in (col, bucket_columns[axes])],
+                    [c for col, axes, _ in program.buckets for c in (col, bucket_columns[axes])],
                 ),
             ),
             shape=(len(program.buckets), num_vars),
         )
         constraints.append(LinearConstraint(marks, -np.inf, 0.0))
+        # the bytes bucketed over axes <= the first bucket's, or second[axes] = 1
+        order = sorted(second_columns)
+        data, row_ids, col_ids = [], [], []
+        for col, axes, num_bytes in program.buckets:
+            data.append(num_bytes)
+            row_ids.append(order.index(axes))
+            col_ids.append(col)
+        for r, axes in enumerate(order):
+            data.append(-max(program.bucket_bound[axes] - FIRST_BUCKET_BYTES, 1.0))
+            row_ids.append(r)
+            col_ids.append(second_columns[axes])
+        overflow = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(order), num_vars))
+        constraints.append(LinearConstraint(overflow, -np.inf, float(FIRST_BUCKET_BYTES)))
     if budget is not None and objective == "time":
         constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
     integrality = np.asarray(program.integer)
     bounds = Bounds(np.zeros(num_vars), np.ones(num_vars))
     options = {"mip_rel_gap": 0.0, "presolve": True}
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
-    c = (c_time + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
+    c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
     start = time.perf_counter()
     result = milp(
         c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
     )
-    if result.x is not None and objective == "time":
-        # NOTE [near-equal plans]: again, each collective priced at NEAR_EQUAL of the
-        # fastest plan's searched seconds over that plan's collectives
-        searched, found = _total(c_time, result.x), _total(c_count, result.x)
-        price = NEAR_EQUAL * searched / max(found, 1.0)
-        fewer = milp(
-            (c_time + c_ties + price * c_count) * 1e3,
-            integrality=integrality,
-            bounds=bounds,
-            constraints=constraints,
-            options=options,
-        )
-        step = _total(c_step, result.x)
-        if fewer.x is not None and _total(c_step, fewer.x) <= step * (1.0 + NEAR_EQUAL):
-            result = fewer
     elapsed = time.perf_counter() - start
     if result.x is None:
         if result.status == 2:  # infeasible
