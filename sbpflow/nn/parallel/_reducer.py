@@ -111,8 +111,9 @@
 # hook, which runs right after, copies that ``.grad`` into the bucket and sets
 # ``.grad`` to the bucket's view laid out partial, as for a global gradient: the
 # same values, one dispatch less. Only when the sync's hooks are the parameter's
-# last pre-hook and its only post-accumulate-grad hook, so that no other hook
-# sees the plain piece.
+# last pre-hook and its only post-accumulate-grad hook, so that no other tensor
+# hook sees the plain piece (a hook put on the AccumulateGrad node itself, which
+# the sync cannot see, would).
 
 # NOTE [who else holds a gradient]
 # A ``.grad`` kept past ``zero_grad(set_to_none=True)`` (``g = p.grad``, a slice of
@@ -237,10 +238,9 @@ class GradientSync:
             held = functools.partial(_itself, self) if isinstance(m, GlobalParam) else me
             before = _pre_hook(held, index)
             self._handles.append(register_grad_hook(m.param, before))
-            if isinstance(m, GlobalParam):
-                m.receipt = before
             self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me, index)))
             if isinstance(m, GlobalParam):
+                m.receipt = before  # NOTE [gradients handed over as pieces]
                 hand_over_gradients(m.param, self, before)  # found by GradientSync.of
 
     def __deepcopy__(self, memo: Any) -> None:
