@@ -106,10 +106,18 @@ class ZeroGradient(torch.Tensor):
         return _global.wrap(local, _global.meta_of(layout, shape, dtype))
 
 
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
 def _is_compiled_node(node: Any) -> bool:
     """Whether ``node`` is the backward of an AOTAutograd-compiled region."""
     forward_cls = getattr(node, "_forward_cls", None)
     return getattr(forward_cls, "_aot_id", None) is not None
+
+
+# ``_differentiable`` by compiled region (its ``CompiledFunction`` class, made once per
+# compiled graph, whose records do not change): a backward asks it every step.
+_DIFFERENTIABLE: weakref.WeakKeyDictionary[type, list[bool]] = weakref.WeakKeyDictionary()
 
 
 def _differentiable(node: Any) -> list[bool]:
@@ -117,14 +125,20 @@ def _differentiable(node: Any) -> list[bool]:
     then its user outputs, as AOTAutograd's ``CompiledFunction.forward`` returns them and
     marks those not requiring one non-differentiable); outputs after those (intermediate
     bases) always can."""
+    forward_cls = node._forward_cls
+    known = _DIFFERENTIABLE.get(forward_cls)
+    if known is not None:
+        return known
     try:  # AOTAutograd's own records: private, so a torch without them marks nothing
         from torch._functorch._aot_autograd.schemas import MutationType
 
-        meta = node._forward_cls.metadata
+        meta = forward_cls.metadata
         mutated = [i for i in meta.input_info if i.mutation_type == MutationType.MUTATED_OUT_GRAPH]
-        return [info.requires_grad for info in [*mutated, *meta.output_info]]
+        known = [info.requires_grad for info in [*mutated, *meta.output_info]]
     except (ImportError, AttributeError):
-        return []
+        known = []
+    _DIFFERENTIABLE[forward_cls] = known
+    return known
 
 
 def unreached_outputs(root: torch.Tensor) -> tuple[list[GradientEdge], list[ZeroGradient]]:
@@ -149,7 +163,9 @@ def unreached_outputs(root: torch.Tensor) -> tuple[list[GradientEdge], list[Zero
             fed.add((id(next_node), input_nr))
             if id(next_node) not in seen:
                 seen[id(next_node)] = next_node
-                stack.append(next_node)
+                # a leaf's accumulator feeds nothing and is no compiled node: not walked
+                if type(next_node) is not _ACCUMULATE_GRAD:
+                    stack.append(next_node)
     edges, zeros = [], []
     for node in compiled:
         differentiable = _differentiable(node)

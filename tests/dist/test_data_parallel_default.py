@@ -741,3 +741,83 @@ def test_a_deep_copy_gets_buckets_of_its_own() -> None:
     for got in get_pool(2).run(deepcopy_job):
         assert got["errors"] == [{}, {}], got
         assert got["launches"] == {"model": [1, 1, 1, 1, 1], "copy": [1, 1, 1]}, got
+
+
+# -- how a gradient reaches its bucket ------------------------------------------------------
+
+
+def hand_over_job() -> dict[str, Any]:
+    """3 steps of ``Net``: a post-accumulate-grad hook of the user's on ``fc2.weight`` from
+    the start (it runs before the buckets' own), a gradient hook on ``fc1.weight`` from step 2
+    (after the buckets' own); the ``aten.detach`` calls the AccumulateGrad nodes of each
+    backward send through the global dispatcher, counted from outside, and the gradients
+    against one process's."""
+    placement = _world()
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference).to_global(placement, B)
+    seen: list[str] = []
+    model.fc2.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(f"post {type(p.grad).__name__}")
+    )
+    dispatcher = sbpflow.GlobalTensor._op_dispatcher
+    inner = dispatcher.dispatch
+    detaches = [0]
+
+    def counted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        node = torch._C._current_autograd_node()
+        if func is torch.ops.aten.detach.default and type(node).__name__ == "AccumulateGrad":
+            detaches[0] += 1
+        return inner(func, args, kwargs)
+
+    out: dict[str, Any] = {"detaches": [], "errors": [], "seen": []}
+    for step in range(3):
+        x, y = _micro_batches(step, 1)[0]
+        reference.zero_grad()
+        model.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        if step == 2:
+            model.fc1.weight.register_hook(lambda g: seen.append(f"pre {type(g).__name__}"))
+        gx, gy = _split_batch(placement, x, y)
+        loss = F.mse_loss(model(gx), gy)
+        seen.clear()
+        detaches[0] = 0
+        dispatcher.dispatch = counted  # type: ignore[method-assign]
+        try:
+            loss.backward()
+        finally:
+            del dispatcher.dispatch
+        out["detaches"].append(detaches[0])
+        out["seen"].append(sorted(seen))
+        out["errors"].append(_grad_errors(model, reference))
+    return out
+
+
+def _grad_errors(model: nn.Module, reference: nn.Module) -> dict[str, Any]:
+    """The parameters whose gradient differs from the reference's (None where one is None)."""
+    out: dict[str, Any] = {}
+    for name, ref in reference.named_parameters():
+        grad = model.get_parameter(name).grad
+        if grad is None or ref.grad is None:
+            if grad is not None or ref.grad is not None:
+                out[name] = None
+            continue
+        error = (grad.to_global(sbp=B).to_local() - ref.grad).abs().max().item()
+        if error > _TOL:
+            out[name] = error
+    return out
+
+
+def test_gradients_reach_their_buckets_without_a_detach_per_parameter() -> None:
+    """Once the buckets are made, a parameter's gradient goes into its bucket without
+    AccumulateGrad detaching it through the global dispatcher (one op a parameter and step):
+    none is sent but for the parameters with a hook of the user's that would see the
+    gradient after the buckets' own hook (``fc2.weight`` from the start, ``fc1.weight`` from
+    step 2), and those hooks still see global gradients. Gradients equal one process's."""
+    for got in get_pool(2).run(hand_over_job):
+        assert got["errors"] == [{}, {}, {}], got
+        assert got["detaches"][1:] == [1, 2], got
+        assert got["seen"][1:] == [
+            ["post GlobalTensor"],
+            ["post GlobalTensor", "pre GlobalTensor"],
+        ], got

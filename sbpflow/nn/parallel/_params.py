@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, Meta, meta_of, wrap
+from ..._global import GlobalTensor, Meta, _pre_hooks, meta_of, wrap
 from ..._layout import Layout
 from ...comm._world import get_rank
 from ...placement import Placement
@@ -44,6 +44,10 @@ class NoSyncBlocks:
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._depth
+
+    def any_held(self) -> bool:
+        """Whether some block is running (if not, ``holds`` is False for every parameter)."""
+        return bool(self._depth)
 
     @contextlib.contextmanager
     def block(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -90,6 +94,7 @@ class ReducedParam:
     filled: bool  # this round's piece is in ``view``
     has_grad: bool  # ... and it came from a gradient (not zeros)
     divide_at_launch: bool  # it was accumulated in ``view`` itself: divide it there
+    piece_handed: bool  # AccumulateGrad was handed the gradient's plain piece (``hand_piece``)
 
     def __init__(self, name: str, param: torch.Tensor, layout: Layout, label: str | None) -> None:
         self.name, self.param, self.layout = name, param, layout
@@ -101,6 +106,7 @@ class ReducedParam:
 
     def reset(self) -> None:
         self.ready = self.filled = self.has_grad = self.divide_at_launch = False
+        self.piece_handed = False
 
     @property
     def local(self) -> torch.Tensor:
@@ -142,6 +148,12 @@ class ReducedParam:
     def before_accumulate(self, grad: torch.Tensor) -> torch.Tensor | None:
         """Before AccumulateGrad: prepare an in-place add into the bucket (a pre-hook's result)."""
         raise NotImplementedError
+
+    def hand_piece(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """Before AccumulateGrad, in a filling bucket: the plain piece of ``grad`` to accumulate
+        instead, where ``fill_on_arrival`` takes it (NOTE [gradients handed over as pieces] in
+        _reducer); None: ``grad`` goes its usual way."""
+        return None
 
     def fill_on_arrival(self) -> None:
         """After AccumulateGrad: copy ``.grad`` into ``view`` if its layout is the bucket's."""
@@ -194,12 +206,14 @@ class GlobalParam(ReducedParam):
     meta: Meta  # the parameter's metadata when it joined (``changed`` compares)
     partial_meta: Meta | None  # P on the bucket's axes: the layout a gradient is bucketed in
     partial_grad: GlobalTensor | None  # ``.grad`` once copied in: ``view`` laid out P
+    receipt: Any  # the gradient pre-hook its sync runs for it (set by GradientSync)
 
     def __init__(self, name: str, param: GlobalTensor, label: str | None = None) -> None:
         super().__init__(name, param, param._layout, label)
         self.rank = get_rank()
         self.meta = param._meta
         self.partial_meta = self.partial_grad = None
+        self.receipt = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -248,6 +262,34 @@ class GlobalParam(ReducedParam):
             return None
         return wrap(grad._local.contiguous(), meta_of(grad._layout, tuple(grad.shape), grad.dtype))
 
+    def hand_piece(self, grad: torch.Tensor) -> torch.Tensor | None:
+        meta, param = self.partial_meta, self.param
+        if (
+            param.grad is not None
+            or not isinstance(grad, GlobalTensor)
+            or meta is None
+            or not (grad._meta is meta or grad._layout == meta.layout)
+            or grad._local.shape != param.shape  # autograd checks the size a hook returns
+            or grad.dtype != param.dtype
+            or not self._hooks_end_with_the_sync()
+        ):
+            return None
+        self.piece_handed = True
+        local = grad._local
+        return local if local.is_contiguous() else local.contiguous()
+
+    def _hooks_end_with_the_sync(self) -> bool:
+        """Whether the sync's gradient pre-hook is the last one the parameter runs and its
+        post-accumulate-grad hook the only one: no other hook sees a piece handed over."""
+        hooks = _pre_hooks(self.param)
+        post = self.param._post_accumulate_grad_hooks
+        return (
+            post is not None
+            and len(post) == 1
+            and len(hooks) > 0
+            and next(reversed(hooks.values())) is self.receipt
+        )
+
     def _relabel_partial(
         self, current: GlobalTensor, grad: GlobalTensor, view: torch.Tensor
     ) -> None:
@@ -278,6 +320,12 @@ class GlobalParam(ReducedParam):
 
     def fill_on_arrival(self) -> None:
         grad = self.param.grad
+        if self.piece_handed:  # NOTE [gradients handed over as pieces] in _reducer
+            self.piece_handed = False
+            if isinstance(grad, torch.Tensor) and not isinstance(grad, GlobalTensor):
+                self.fill(grad)
+                self.param.grad = self.partial_grad
+                return
         if not isinstance(grad, GlobalTensor):
             return  # none, or a plain tensor set by hand: piece_for_launch says what is wrong
         meta = self.partial_meta

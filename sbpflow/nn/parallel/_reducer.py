@@ -100,6 +100,21 @@
 #     axes that change and zeroing it elsewhere (B -> P, in place), so the
 #     in-place add stays local and the sum is unchanged.
 
+# NOTE [gradients handed over as pieces]
+# The usual gradient of a global parameter (``.grad`` None, its bucket filling,
+# laid out as the bucket reduces it, its local piece as large as the parameter:
+# data parallelism alone) is copied into the bucket and dropped right after
+# AccumulateGrad. Handed to AccumulateGrad as it is, it would first be detached,
+# one more op through the global dispatcher for each parameter and step. So the
+# pre-hook hands AccumulateGrad its plain local piece instead (autograd accepts a
+# hook's result of the same dtype, device and size), and the post-accumulate-grad
+# hook, which runs right after, copies that ``.grad`` into the bucket and sets
+# ``.grad`` to the bucket's view laid out partial, as for a global gradient: the
+# same values, one dispatch less. Only when the sync's hooks are the parameter's
+# last pre-hook and its only post-accumulate-grad hook, so that no other tensor
+# hook sees the plain piece (a hook put on the AccumulateGrad node itself, which
+# the sync cannot see, would).
+
 # NOTE [who else holds a gradient]
 # A ``.grad`` kept past ``zero_grad(set_to_none=True)`` (``g = p.grad``, a slice of
 # it, its ``.detach()``, an optimizer's set-aside gradients) would be overwritten
@@ -223,8 +238,9 @@ class GradientSync:
             held = functools.partial(_itself, self) if isinstance(m, GlobalParam) else me
             before = _pre_hook(held, index)
             self._handles.append(register_grad_hook(m.param, before))
-            self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me)))
+            self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me, index)))
             if isinstance(m, GlobalParam):
+                m.receipt = before  # NOTE [gradients handed over as pieces]
                 hand_over_gradients(m.param, self, before)  # found by GradientSync.of
 
     def __deepcopy__(self, memo: Any) -> None:
@@ -319,15 +335,18 @@ class GradientSync:
             self._complete(bucket)
         if bucket.state is BucketState.IDLE:
             self._begin(bucket)
+        if bucket.state is BucketState.FILLING:
+            piece = m.hand_piece(grad)  # NOTE [gradients handed over as pieces]
+            if piece is not None:
+                return piece
         # Paused too: the add into a .grad in the bucket stays local (NOTE [gradients are
         # bucket views]).
         return m.before_accumulate(grad)
 
-    def _after(self, param: torch.Tensor) -> None:
+    def _after(self, m: ReducedParam) -> None:
         """Post-accumulate-grad hook: the gradient is in ``.grad``."""
         if torch.is_grad_enabled():
             return  # create_graph: the pre-hook kept it on the per-parameter path
-        m = self._where[id(param)]
         bucket = m.bucket
         if bucket.flat is None or bucket.state is not BucketState.FILLING:
             return  # no piece here, or paused
@@ -366,7 +385,7 @@ class GradientSync:
 
     def _begin(self, bucket: _Bucket) -> None:
         """The round's first event for ``bucket``: paused, or FILLING in a buffer of its own."""
-        if any(m.paused for m in bucket.members):
+        if NO_SYNC.any_held() and any(m.paused for m in bucket.members):
             bucket.state = BucketState.PAUSED
             return
         _move_if_held_elsewhere(bucket)
@@ -462,11 +481,11 @@ def _pre_hook(
     return before_accumulate
 
 
-def _post_hook(sync: weakref.ref[GradientSync]) -> Callable[[torch.Tensor], None]:
+def _post_hook(sync: weakref.ref[GradientSync], index: int) -> Callable[[torch.Tensor], None]:
     def after_accumulate(param: torch.Tensor) -> None:
         me = sync()
         if me is not None:
-            me._after(param)
+            me._after(me._members[index])
 
     return after_accumulate
 
