@@ -58,7 +58,9 @@ __all__ = [
     "is_global",
     "is_layout_hook",
     "keep_grad_layout",
+    "keep_hook_dicts",
     "meta_of",
+    "register_accumulated_grad_hook",
     "register_grad_hook",
     "take_back_gradients",
     "wrap",
@@ -384,6 +386,17 @@ class GlobalTensor(torch.Tensor):
         self._meta = new._meta
 
     # -- autograd -------------------------------------------------------------------
+    def register_hook(self, hook: Callable[[torch.Tensor], Any]) -> Any:  # type: ignore[override]
+        """As ``torch.Tensor.register_hook``; on a parameter, also after ``module.to(...)``
+        swapped its contents (NOTE [hook dicts after a swap])."""
+        return register_grad_hook(self, hook)
+
+    def register_post_accumulate_grad_hook(  # type: ignore[override]
+        self, hook: Callable[[torch.Tensor], Any]
+    ) -> Any:
+        """As ``torch.Tensor.register_post_accumulate_grad_hook``, also after a swap."""
+        return register_accumulated_grad_hook(self, hook)
+
     def backward(
         self,
         gradient: torch.Tensor | None = None,
@@ -489,14 +502,19 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     ):
         return
     register_grad_hook(leaf, _to_own_layout)
-    leaf.register_post_accumulate_grad_hook(_after_accumulate)
+    register_accumulated_grad_hook(leaf, _after_accumulate)
 
 
 def _pre_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
-    """The gradient pre-hooks ``register_grad_hook`` put on ``leaf``: the dict it keeps in
-    ``__dict__``, which a swap exchanges with the tensor that runs them (``_backward_hooks``
-    stays behind on the Python object)."""
+    """The gradient pre-hooks ``leaf`` runs: the dict ``register_grad_hook`` keeps in
+    ``__dict__`` (NOTE [hook dicts after a swap])."""
     mine = leaf.__dict__.get("_grad_hooks_dict")
+    return {} if mine is None or mine.value is None else mine.value
+
+
+def _post_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
+    """The post-accumulate-grad hooks ``leaf`` runs (NOTE [hook dicts after a swap])."""
+    mine = leaf.__dict__.get("_post_hooks_dict")
     return {} if mine is None or mine.value is None else mine.value
 
 
@@ -506,7 +524,7 @@ def _has_layout_hooks(leaf: GlobalTensor) -> bool:
 
 def _remove_layout_hooks(leaf: GlobalTensor) -> None:
     """What removing the handles of ``keep_grad_layout``'s hooks does, found by the hooks."""
-    for hooks in (_pre_hooks(leaf), leaf._post_accumulate_grad_hooks or {}):
+    for hooks in (_pre_hooks(leaf), _post_hooks(leaf)):
         for key in [k for k, hook in hooks.items() if is_layout_hook(hook)]:
             del hooks[key]
 
@@ -572,18 +590,72 @@ def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) 
 
     ``module.to(...)``/``.double()`` swap a global parameter's contents with a new tensor's
     (``Module._apply`` swaps wrapper subclasses). The swap moves the tensor and its
-    ``__dict__`` but leaves behind the Python dict of its gradient hooks, which stays tied to
-    the old tensor: a hook added to it afterwards would never run. The dict tied to this
-    tensor is kept in its ``__dict__`` (which moves with it) and put back first.
+    ``__dict__`` but leaves behind the Python dicts of its gradient hooks, which stay tied to
+    the old tensor: a hook added to them afterwards would never run. The dict tied to this
+    tensor is kept in its ``__dict__`` (which moves with it) and put back first; a leaf with
+    none kept there gets a new one (NOTE [hook dicts after a swap]).
     """
+    return _register(leaf, hook, "_backward_hooks", "_grad_hooks_dict", torch.Tensor.register_hook)
+
+
+def register_accumulated_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+    """``leaf.register_post_accumulate_grad_hook(hook)``, also after a swap (as
+    ``register_grad_hook``)."""
+    return _register(
+        leaf,
+        hook,
+        "_post_accumulate_grad_hooks",
+        "_post_hooks_dict",
+        torch.Tensor.register_post_accumulate_grad_hook,
+    )
+
+
+def keep_hook_dicts(leaf: torch.Tensor, pre: Any, post: Any) -> None:
+    """Make ``pre`` and ``post`` (the hook dicts a tensor had before ``swap_tensors`` gave
+    ``leaf`` its contents) the ones ``leaf`` runs, and record them (NOTE [hook dicts after a
+    swap])."""
+    for field, key, hooks in (
+        ("_backward_hooks", "_grad_hooks_dict", pre),
+        ("_post_accumulate_grad_hooks", "_post_hooks_dict", post),
+    ):
+        if hooks is not None:
+            setattr(leaf, field, hooks)
+            if isinstance(leaf, GlobalTensor):
+                leaf.__dict__[key] = _NotCopied(hooks)
+
+
+# NOTE [hook dicts after a swap]
+# torch keeps a tensor's hook dicts on its Python object and ties each to the
+# C++ tensor when first set. ``torch.utils.swap_tensors`` exchanges the C++
+# tensors and the ``__dict__``s of two objects but not those dicts, so after
+# ``model.to(...)`` a global parameter's ``_backward_hooks`` and
+# ``_post_accumulate_grad_hooks`` belong to the tensor it was swapped with, and
+# hooks added to them never run (plain torch loses them the same way). Every
+# hook put on a global tensor (``register_hook``, ``register_post_accumulate_grad_hook``,
+# sbpflow's own) goes through ``_register``, which records the dict it used in the
+# tensor's ``__dict__`` (it moves with the C++ tensor) and, before adding, makes
+# that recorded dict the one tied to the tensor; a leaf with no record but a dict
+# left by a swap gets a new one. Readers of a leaf's hooks read the records
+# (``_pre_hooks``, ``_post_hooks``). Hooks added before a swap stay with the
+# tensor swapped out, as in plain torch.
+def _register(
+    leaf: torch.Tensor,
+    hook: Callable[[torch.Tensor], Any],
+    field: str,
+    key: str,
+    register: Callable[[torch.Tensor, Any], Any],
+) -> Any:
     if not isinstance(leaf, GlobalTensor):
-        return leaf.register_hook(hook)
+        return register(leaf, hook)
     attrs = leaf.__dict__
-    mine = attrs.get("_grad_hooks_dict")
-    if mine is not None and leaf._backward_hooks is not mine.value:
-        leaf._backward_hooks = mine.value  # re-attaches it to this tensor (it has no others)
-    handle = leaf.register_hook(hook)
-    attrs["_grad_hooks_dict"] = _NotCopied(leaf._backward_hooks)
+    mine = attrs.get(key)
+    current = getattr(leaf, field)
+    if mine is not None and current is not mine.value:
+        setattr(leaf, field, mine.value)  # re-attaches it to this tensor (it has no others)
+    elif mine is None and current is not None and leaf.grad_fn is None:
+        setattr(leaf, field, None)  # left by a swap: torch ties a new dict to this tensor
+    handle = register(leaf, hook)
+    attrs[key] = _NotCopied(getattr(leaf, field))
     return handle
 
 
@@ -735,8 +807,7 @@ def gradient_owner(leaf: torch.Tensor) -> object | None:
 def has_only_layout_hooks(leaf: GlobalTensor) -> bool:
     """Whether ``leaf``'s gradient hooks are at most ``keep_grad_layout``'s and nothing took its
     gradients over: a gradient arriving in its own layout then only accumulates."""
-    pre = leaf._backward_hooks or {}
-    post = leaf._post_accumulate_grad_hooks or {}
+    pre, post = _pre_hooks(leaf), _post_hooks(leaf)
     return (
         gradient_owner(leaf) is None
         and all(hook is _to_own_layout for hook in pre.values())

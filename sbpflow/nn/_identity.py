@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .._global import GlobalTensor
+from .._global import GlobalTensor, keep_hook_dicts
 
 __all__ = ["check_convertible", "convert_in_place"]
 
@@ -108,10 +108,7 @@ def convert_in_place(param: torch.Tensor, value: GlobalTensor, name: str, what: 
             "those, or convert the module before using it."
         ) from error
     # The hook dicts stayed on the Python object; attach them to its new C++ tensor.
-    if pre is not None:
-        param._backward_hooks = pre
-    if post is not None:
-        param._post_accumulate_grad_hooks = post
+    keep_hook_dicts(param, pre, post)
     if requires_grad:
         param.requires_grad_(True)  # GlobalTensor's: the gradient keeps the parameter's layout
 

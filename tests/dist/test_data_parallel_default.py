@@ -821,3 +821,50 @@ def test_gradients_reach_their_buckets_without_a_detach_per_parameter() -> None:
             ["post GlobalTensor"],
             ["post GlobalTensor", "pre GlobalTensor"],
         ], got
+
+
+# -- module conversions (swapped parameters) -----------------------------------------------
+
+
+def converted_job(conversion: str) -> dict[str, Any]:
+    """``model.to_global`` then a conversion that swaps the parameters' contents
+    (``Module._apply``), then 3 steps, a hook of the user's added after the conversion doubling
+    ``fc2.weight``'s gradient: gradients, hook calls and the gradients' types."""
+    convert = {"to('cpu')": lambda m: m.to("cpu"), "double()": lambda m: m.double()}[conversion]
+    placement = _world()
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference).to_global(placement, B)
+    convert(reference)
+    convert(model)
+    calls: list[str] = []
+    for m in (reference, model):
+        m.fc2.weight.register_hook(lambda g: g * 2)
+        m.fc2.bias.register_post_accumulate_grad_hook(lambda p: calls.append(type(p.grad).__name__))
+    dtype = reference.fc1.weight.dtype
+    errors, types = [], []
+    for step in range(3):
+        x, y = (t.to(dtype) for t in _micro_batches(step, 1)[0])
+        gx, gy = _split_batch(placement, x, y)
+        reference.zero_grad()
+        model.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        F.mse_loss(model(gx), gy).backward()
+        errors.append(_grad_errors(model, reference))
+        types.append(
+            sorted({type(p.grad).__name__ for p in model.parameters() if p.grad is not None})
+        )
+    return {"errors": errors, "types": types, "calls": calls}
+
+
+@pytest.mark.parametrize("conversion", ["to('cpu')", "double()"])
+def test_a_module_conversion_before_the_first_backward_trains_as_one_process(
+    conversion: str,
+) -> None:
+    """``model.to(...)`` swaps a global parameter's contents (NOTE [hook dicts after a swap]):
+    the buckets' hooks and hooks the user adds afterwards still run, every gradient is global
+    and equals one process's (a gradient hook doubling one of them included)."""
+    for got in get_pool(2).run(converted_job, conversion):
+        assert got["errors"] == [{}, {}, {}], got
+        assert got["types"] == [["GlobalTensor"]] * 3, got
+        assert got["calls"] == ["Tensor", "GlobalTensor"] * 3, got

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, is_layout_hook, wrap
+from ..._global import GlobalTensor, _post_hooks, _pre_hooks, is_layout_hook, wrap
 from ..._layout import Layout
 from ...boxing import tracing as _trace
 from ...boxing._redistribute import box_below_autograd
@@ -243,7 +243,7 @@ def _accumulate(p: ShardedParam, shard: torch.Tensor) -> None:
     if shard.dtype != local.dtype or not shard.is_contiguous():
         shard = shard.to(local.dtype, memory_format=torch.contiguous_format)
     grad = wrap(shard, param._meta)
-    pre = _user_hooks(param._backward_hooks)
+    pre = _user_hooks(_pre_hooks(param))  # NOTE [hook dicts after a swap] in _global
     for hook in pre:
         out = hook(grad)
         grad = grad if out is None else out
@@ -258,7 +258,7 @@ def _accumulate(p: ShardedParam, shard: torch.Tensor) -> None:
         current._local.add_(grad._local)
     else:
         param.grad = current + grad
-    for post in _user_hooks(param._post_accumulate_grad_hooks):
+    for post in _user_hooks(_post_hooks(param)):
         post(param)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..._global import GlobalTensor, Meta, _pre_hooks, meta_of, wrap
+from ..._global import GlobalTensor, Meta, _post_hooks, _pre_hooks, meta_of, wrap
 from ..._layout import Layout
 from ...comm._world import get_rank
 from ...placement import Placement
@@ -207,13 +207,14 @@ class GlobalParam(ReducedParam):
     partial_meta: Meta | None  # P on the bucket's axes: the layout a gradient is bucketed in
     partial_grad: GlobalTensor | None  # ``.grad`` once copied in: ``view`` laid out P
     receipt: Any  # the gradient pre-hook its sync runs for it (set by GradientSync)
+    post_receipt: Any  # and the post-accumulate-grad hook
 
     def __init__(self, name: str, param: GlobalTensor, label: str | None = None) -> None:
         super().__init__(name, param, param._layout, label)
         self.rank = get_rank()
         self.meta = param._meta
         self.partial_meta = self.partial_grad = None
-        self.receipt = None
+        self.receipt = self.post_receipt = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -282,10 +283,10 @@ class GlobalParam(ReducedParam):
         """Whether the sync's gradient pre-hook is the last one the parameter runs and its
         post-accumulate-grad hook the only one: no other hook sees a piece handed over."""
         hooks = _pre_hooks(self.param)
-        post = self.param._post_accumulate_grad_hooks
+        post = _post_hooks(self.param)
         return (
-            post is not None
-            and len(post) == 1
+            len(post) == 1
+            and next(iter(post.values())) is self.post_receipt
             and len(hooks) > 0
             and next(reversed(hooks.values())) is self.receipt
         )

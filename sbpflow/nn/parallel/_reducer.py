@@ -238,9 +238,10 @@ class GradientSync:
             held = functools.partial(_itself, self) if isinstance(m, GlobalParam) else me
             before = _pre_hook(held, index)
             self._handles.append(register_grad_hook(m.param, before))
-            self._handles.append(m.param.register_post_accumulate_grad_hook(_post_hook(me, index)))
+            after = _post_hook(me, index)
+            self._handles.append(m.param.register_post_accumulate_grad_hook(after))
             if isinstance(m, GlobalParam):
-                m.receipt = before  # NOTE [gradients handed over as pieces]
+                m.receipt, m.post_receipt = before, after  # NOTE [gradients handed over as pieces]
                 hand_over_gradients(m.param, self, before)  # found by GradientSync.of
 
     def __deepcopy__(self, memo: Any) -> None:
