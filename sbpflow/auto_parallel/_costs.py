@@ -214,24 +214,39 @@ class Prices:
         ranks = math.prod(self.mesh[a] for a in axes)
         return self.cost_model.all_reduce(ranks, 0.0) + self._step_extra(axes)
 
-    def bucket_discount(self, step: BoxingStep, dst: NdSbp) -> float:
-        """What a parameter gradient's boxing step costs less in a bucket than alone.
+    def bucket_discount(self, step: BoxingStep, dst: NdSbp, num_bytes: float) -> float:
+        """What a parameter gradient's boxing step costs less in a bucket than alone, for a
+        gradient of ``num_bytes`` per rank (in the parameter's layout ``dst``).
 
         NOTE [bucketed gradients in the search]: at run time data-parallel buckets
         all-reduce together the gradients of parameters broadcast on the all_reduce's
-        axes (nn/parallel/_reducer.py), so such an all_reduce is priced with its bytes and
-        only its share ``bytes / BUCKET_CAP_BYTES`` of a bucket's fixed cost; the program
-        adds the fixed cost of one bucket once per set of axes any such all_reduce runs
-        over (the first bucket), and of another where their bytes overflow the small first
-        bucket (``FIRST_BUCKET_BYTES``): the runtime's count up to the third bucket. Other steps (a reduce_scatter into a sharded parameter) run alone:
-        no discount; nor does a gradient of a bucket's size or more, which fills a bucket
-        of its own (its share would be negative: priced above running alone, and unlike
-        the plan's account of the buckets, which counts only discounted all_reduces).
+        axes (nn/parallel/_reducer.py, filled by ``assign_buckets``), so such an all_reduce
+        is priced with its bytes and only its share ``num_bytes / BUCKET_CAP_BYTES`` of a
+        bucket's fixed cost, counting the gradient tensor's bytes as the buckets do (not the
+        collective's ``bytes_per_rank``). The program adds the fixed cost of one bucket once
+        per set of axes any such all_reduce runs over (the first bucket), and of a second
+        where a gradient is left once the small first bucket (``FIRST_BUCKET_BYTES``) is
+        closed: as the runtime closes a bucket once it holds at least its cap, counting the
+        gradient that crosses it, that is where the gradients other than the last one the
+        backward hands over hold at least the first bucket's bytes. The program takes that
+        last one to be the first registered parameter that can be bucketed over those axes,
+        which matches the runtime where that parameter is bucketed (the common case: all
+        weights data parallel over those axes), and counts a bucket less otherwise. Buckets
+        beyond the second are priced by their shares only. Other steps (a reduce_scatter
+        into a sharded parameter) run alone: no discount; nor does a gradient of a bucket's
+        size or more, which fills a bucket of its own (its share would be negative: priced
+        above running alone, and unlike the plan's account of the buckets, which counts only
+        discounted all_reduces).
         """
         if step.op != "all_reduce" or not all(isinstance(dst[a], Broadcast) for a in step.axes):
             return 0.0
-        share = max(0.0, 1.0 - step.bytes_per_rank / BUCKET_CAP_BYTES)
+        share = max(0.0, 1.0 - num_bytes / BUCKET_CAP_BYTES)
         return self.bucket_fixed_seconds(step.axes) * share
+
+    def gradient_bytes(self, shape: tuple[int, ...], dtype: torch.dtype, dst: NdSbp) -> float:
+        """Bytes per rank of a parameter's gradient in the parameter's layout ``dst``: what
+        the data-parallel buckets count it as."""
+        return local_bytes(shape, dtype, dst, self.mesh)
 
     def gradient_boxing(
         self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
@@ -239,9 +254,10 @@ class Prices:
         """Search price of boxing a parameter's gradient ``src`` to the parameter's layout
         ``dst``, and the axes of its bucketed all_reduces."""
         seconds, steps = self.boxing(shape, dtype, src, dst)
+        num_bytes = self.gradient_bytes(shape, dtype, dst)
         axes = []
         for step in steps:
-            discount = self.bucket_discount(step, dst)
+            discount = self.bucket_discount(step, dst, num_bytes)
             if discount:
                 seconds -= discount
                 axes.append(step.axes)
