@@ -465,6 +465,10 @@ def test_compute_model_checks_its_rates() -> None:
         ComputeModel(100e9, float("nan"))
     with pytest.raises(ValueError, match="boxing_op_seconds"):
         ComputeModel(100e9, 20e9, 50e-6, 15e-6, boxing_op_seconds=-1.0)
+    for wrong in (-1e-3, float("inf"), float("nan"), True, "1e-3", None):
+        with pytest.raises(ValueError, match="collective_seconds must be a non-negative"):
+            ComputeModel(100e9, 20e9, collective_seconds=wrong)  # type: ignore[arg-type]
+    assert ComputeModel(100e9, 20e9, collective_seconds=0).collective_seconds == 0
 
 
 def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
@@ -476,6 +480,8 @@ def test_calibrate_compute_measures_rates_a_plan_can_use() -> None:
     for rates in (measured, square):
         for value in (rates.flops_per_second, rates.bytes_per_second, rates.op_seconds):
             assert 0 < value < float("inf")
+        # no process group to time a collective on: the wait stays the device's default
+        assert rates.collective_seconds == ComputeModel.default("cpu").collective_seconds
     model = _mlp_model(blocks=2, dim=64, inner=128)
     two = sbpflow.placement("cpu", [0, 1])
     x = torch.randn(64, 64)
