@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sbpflow
-from sbpflow.auto_parallel import ComputeModel, Plan, calibrate_compute
+from sbpflow.auto_parallel import ComputeModel, Plan, calibrate_compute, reprice
 from sbpflow.sbp import broadcast, split
 
 B = broadcast
@@ -154,6 +154,9 @@ def test_megatron_mlp_blocks_on_two_ranks() -> None:
     more = [c for c in fastest.collectives() if c.is_collective and not c.parameter_gradient]
     assert len(more) > sum(ran.values()), Counter((c.phase, c.op) for c in more)
     assert {c.op for c in more} == {"reduce_scatter", "all_gather"}
+    # and the plan is a near-equal of it under those prices: the wait decides between them
+    again = reprice(plan, model, torch.randn(512, 256), compute_model=no_wait)
+    assert fastest.step_seconds <= again.step_seconds <= fastest.step_seconds * 1.01
 
 
 def test_mlp_blocks_on_a_2x2_mesh_are_data_parallel_by_megatron() -> None:
