@@ -12,13 +12,15 @@
 # ``boxing_op_seconds`` where given, as ``calibrate_compute`` measures it): issuing it is eager
 # work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
 # then an all_gather) the one with fewer steps is cheaper. A step that communicates costs
-# ``collective_seconds`` more per latency round (``ceil(log2 p)`` on ``p`` ranks, as the cost
-# model counts them): each is a point where every rank of its group waits for the slowest,
-# which an alpha-beta fit of collectives timed back to back does not see, and a larger
-# group has more ranks to wait for. On the busy 2-core host the tests run on, a boxing step
-# of a few floats on 2 ranks took 0.57-0.99 ms inside a step against its 0.13 ms alpha-beta
-# price and 0.05 ms of eager work: the CPU default is 0.6 ms a round. The optimizer's update
-# of each parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local
+# ``collective_seconds * ceil(log2 p)`` more (``p`` the ranks of its group), once per step
+# whatever its collective: an all_reduce, which the cost model counts as twice the latency
+# rounds of an all_gather, waits as long as one. Each collective is a point where every
+# rank of its group waits for the slowest, which an alpha-beta fit of collectives timed
+# back to back does not see, and a larger group has more ranks to wait for
+# (``ceil(log2 p)`` stands for how that grows). On the busy 2-core host the tests run on,
+# a boxing step of a few floats on 2 ranks took 0.57-0.99 ms inside a step against its
+# 0.13 ms alpha-beta price and 0.05 ms of eager work: the CPU default is 0.6 ms (times one
+# on 2 ranks). The optimizer's update of each parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local
 # piece (AdamW: 9, plain SGD: 1), each ``update_op_seconds`` (an op outside autograd: a few
 # times cheaper than ``op_seconds``) plus its bytes (two read, one written) at
 # ``bytes_per_second``. The search weighs it (NOTE [the update in the search] in
@@ -70,7 +72,8 @@ class ComputeModel:
     update_op_seconds: float = 0.0
     # eager work of one boxing step beside its collective (None: ``op_seconds``)
     boxing_op_seconds: float | None = None
-    # waiting for the slowest rank of the group, per latency round of a collective
+    # waiting for the slowest rank of the group: a collective on ``p`` ranks costs this
+    # times ``ceil(log2 p)`` (NOTE [default prices])
     collective_seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -112,7 +115,7 @@ class ComputeModel:
         # the optimizer's update) and a data-centre GPU (~400 TFLOP/s dense bf16/tf32,
         # ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python; ~10 us per
         # update op); ~0.6 ms (CPU, gloo: NOTE [default prices]) and ~10 us (GPU, NCCL) of
-        # waiting per latency round of a collective.
+        # waiting per collective, times ceil(log2 p) on p ranks.
         if device_type == "cuda":
             return ComputeModel(400e12, 2e12, 20e-6, 10e-6, collective_seconds=10e-6)
         return ComputeModel(100e9, 20e9, 50e-6, 15e-6, collective_seconds=COLLECTIVE_SECONDS)
@@ -199,8 +202,8 @@ class Prices:
 
     def _step_extra(self, axes: tuple[int, ...]) -> float:
         """What a boxing step costs beside its cost model's price: issuing it eagerly, and
-        for a collective over ``axes`` waiting for the group's slowest rank, per latency
-        round (NOTE [default prices])."""
+        for a collective over ``axes`` waiting for the group's slowest rank, ``ceil(log2 p)``
+        times ``collective_seconds`` on ``p`` ranks (NOTE [default prices])."""
         extra = self.compute.boxing_op_seconds
         if extra is None:
             extra = self.compute.op_seconds

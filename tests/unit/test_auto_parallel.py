@@ -186,9 +186,11 @@ def test_transformer_block_on_a_2x2_mesh_is_megatron_on_the_tensor_axis() -> Non
     """One transformer block (hidden 1024, 16 heads, MLP 4096, batch 8 x 512) on a 2x2
     mesh, the batch split on axis 0 and broadcast on axis 1: data parallel on axis 0 and
     Megatron's column/row layout on axis 1, attention split by heads. (With fewer tokens,
-    6 x 512, Megatron's MLP over all 4 ranks, the batch gathered on axis 0, is predicted
-    0.4% faster: each rank updates a quarter of the MLP's weights, not half of them, and
-    all-reduces no weight gradient; NOTE [the update in the search].)
+    6 x 512, the plan is tensor parallel over both axes, the batch gathered on axis 0:
+    Megatron's column/row layout of the MLP and of attention, split by heads over all 4
+    ranks, predicted 0.46% faster than this layout: each rank updates a quarter of the
+    weights, not half of them, and all-reduces no weight gradient; NOTE [the update in the
+    search].)
 
     The attention's output projection may come out column-parallel instead of row-parallel:
     under the alpha-beta model all_gathering its input and leaving its output split by
