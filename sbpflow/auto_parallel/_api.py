@@ -389,8 +389,8 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
     # the plan's own account of its costs is the program's objective, where parameter
     # gradients' all_reduces are priced as buckets (NOTE [bucketed gradients in the search])
-    searched = compute + boxing_seconds - _search_bucket_savings(
-        bucketed, prices, problem, solution
+    searched = (
+        compute + boxing_seconds - _search_bucket_savings(bucketed, prices, problem, solution)
     )
     assert abs(searched - solution.seconds) <= 1e-6 * max(solution.seconds, 1e-9), (
         searched,
