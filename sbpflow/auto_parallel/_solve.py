@@ -507,9 +507,25 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
     c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
     start = time.perf_counter()
-    result = milp(
-        c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
-    )
+    while True:
+        result = milp(
+            c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
+        )
+        if result.x is None or not program.buckets:
+            break
+        # A second bucket's binary takes up a few bytes over the first bucket for each unit
+        # of the solver's integrality tolerance times its big coefficient: where the
+        # gradients overflow the first bucket by so few, the solver keeps it at ~0. Such
+        # sets of axes pay their second bucket, solved again.
+        chosen_x = np.round(result.x)
+        over = [
+            second_columns[axes]
+            for r, axes in enumerate(order)
+            if chosen_x[second_columns[axes]] == 0 and (overflow[r] @ chosen_x)[0] > below
+        ]
+        if not over:
+            break
+        bounds.lb[over] = 1.0
     elapsed = time.perf_counter() - start
     if result.x is None:
         if result.status == 2:  # infeasible
