@@ -19,8 +19,10 @@
 # to 1, and which costs one bucket's fixed cost: the first bucket; and one binary per set of
 # axes forced to 1 where the gradient bytes so bucketed, but those of the gradient the
 # backward hands over last, reach the small first bucket's, which costs a second bucket's
-# (the runtime's rule, ``bucket_last``). (A view of a parameter hands a partial gradient on
-# to it: the all_reduce can always happen at the parameter.)
+# (the runtime's rule, ``bucket_last``; where the solver's integrality tolerance leaves that
+# binary at ~0 though the bytes reach the first bucket's, it is forced to 1 and the program
+# solved again). (A view of a parameter hands a partial gradient on to it: the all_reduce
+# can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
 #
