@@ -9,6 +9,7 @@ import torch
 
 from ..boxing.cost import CostModel
 from ..boxing.plan import BoxingStep, _fmt_bytes
+from ..nn.parallel._buckets import assign_buckets
 from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, Split, normalize, sbp_str
@@ -241,10 +242,26 @@ def _collectives(
     ]
 
 
-def _into_parameter(prices: Prices, layout: NdSbp | None) -> Callable[[BoxingStep], bool]:
-    """Which steps of a gradient's boxing into a parameter laid out ``layout`` (``None``:
-    not a parameter) the data-parallel buckets run (NOTE [bucketed gradients])."""
-    return lambda step: layout is not None and prices.bucket_discount(step, layout) > 0
+def _into_parameter(
+    prices: Prices,
+    layout: NdSbp | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    param: int,
+    bucketed: list[tuple[tuple[int, ...], float, int]],
+) -> Callable[[BoxingStep], bool]:
+    """Which steps of a gradient's boxing into parameter node ``param`` laid out ``layout``
+    (``None``: not a parameter) the data-parallel buckets run (NOTE [bucketed gradients]);
+    each such step is noted in ``bucketed`` (axes, gradient bytes, parameter)."""
+    num_bytes = 0.0 if layout is None else prices.gradient_bytes(shape, dtype, layout)
+
+    def into(step: BoxingStep) -> bool:
+        if layout is None or prices.bucket_discount(step, layout, num_bytes) <= 0:
+            return False
+        bucketed.append((step.axes, num_bytes, param))
+        return True
+
+    return into
 
 
 def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
@@ -260,6 +277,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
         return node.target if node.kind != "op" else f"{node.module or '(root)'}:{node.target}"
 
     ops = []
+    bucketed: list[tuple[tuple[int, ...], float, int]] = []
     boxing_seconds = 0.0
     activations = 0.0
     for node in graph.nodes:
@@ -289,7 +307,11 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                 else None
             )
             collectives += _collectives(
-                steps, "backward", shape, name_of(u) + " gradient", _into_parameter(prices, into)
+                steps,
+                "backward",
+                shape,
+                name_of(u) + " gradient",
+                _into_parameter(prices, into, shape, dtype, u, bucketed),
             )
         boxing_seconds += sum(c.seconds for c in collectives)
         act = node_bytes(node, strategy, problem)
@@ -340,7 +362,14 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
                     "backward",
                     shape,
                     name_of(node.index) + " summed gradient",
-                    _into_parameter(prices, target if node.kind == "param" else None),
+                    _into_parameter(
+                        prices,
+                        target if node.kind == "param" else None,
+                        shape,
+                        dtype,
+                        node.index,
+                        bucketed,
+                    ),
                 )
     boxing_seconds += sum(c.seconds for c in producer_collectives)
     params = []
@@ -358,16 +387,17 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
             optimizer += prices.optimizer_seconds(node, chosen(n))
     memory = Memory(param_bytes, grad_bytes, grad_bytes * problem.optimizer_states, activations)
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
-    every = [c for op in ops for c in op.collectives] + output_collectives + producer_collectives
     # the plan's own account of its costs is the program's objective, where parameter
     # gradients' all_reduces are priced as buckets (NOTE [bucketed gradients in the search])
-    searched = compute + boxing_seconds - _search_bucket_savings(every, prices)
+    searched = (
+        compute + boxing_seconds - _search_bucket_savings(bucketed, prices, problem, solution)
+    )
     assert abs(searched - solution.seconds) <= 1e-6 * max(solution.seconds, 1e-9), (
         searched,
         solution.seconds,
     )
     return Plan(
-        bucket_savings_seconds=_bucket_savings(every, prices),
+        bucket_savings_seconds=_bucket_savings(bucketed, prices, graph),
         boundaries=_boundaries(problem, solution, tuple(output_sbp)),
         fully_sharded=_fully_sharded(problem, solution),
         placement=prices.placement,
@@ -401,38 +431,48 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
 # exactly.
 
 
-def _gradient_all_reduces(
-    collectives: Sequence[Collective],
-) -> dict[tuple[int, ...], list[Collective]]:
-    by_axes: dict[tuple[int, ...], list[Collective]] = {}
-    for c in collectives:
-        if c.parameter_gradient and c.op == "all_reduce":
-            by_axes.setdefault(c.axes, []).append(c)
-    return by_axes
+def _by_axes(
+    bucketed: Sequence[tuple[tuple[int, ...], float, int]],
+) -> dict[tuple[int, ...], list[tuple[float, int]]]:
+    found: dict[tuple[int, ...], list[tuple[float, int]]] = {}
+    for axes, num_bytes, param in bucketed:
+        found.setdefault(axes, []).append((num_bytes, param))
+    return found
 
 
-def _search_bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
+def _search_bucket_savings(
+    bucketed: Sequence[tuple[tuple[int, ...], float, int]],
+    prices: Prices,
+    problem: Problem,
+    solution: Solution,
+) -> float:
     """What the search's linearised buckets take off the one-by-one prices."""
     saved = 0.0
-    for axes, found in _gradient_all_reduces(collectives).items():
+    for axes, found in _by_axes(bucketed).items():
         fixed = prices.bucket_fixed_seconds(axes)
-        saved += sum(fixed * (1.0 - c.bytes_per_rank / BUCKET_CAP_BYTES) for c in found) - fixed
-        if sum(c.bytes_per_rank for c in found) > FIRST_BUCKET_BYTES:
+        saved += sum(fixed * (1.0 - b / BUCKET_CAP_BYTES) for b, _ in found) - fixed
+        last = solution.bucket_last.get(axes)
+        ahead = sum(b for b, _ in found) - next(
+            (b for b, n in found if problem.reps[n] == last), 0.0
+        )
+        if ahead >= FIRST_BUCKET_BYTES:
             saved -= fixed  # a second bucket
     return saved
 
 
-def _bucket_savings(collectives: Sequence[Collective], prices: Prices) -> float:
-    """Seconds saved by all-reducing parameter gradients in buckets instead of one by one."""
+def _bucket_savings(
+    bucketed: Sequence[tuple[tuple[int, ...], float, int]], prices: Prices, graph: Graph
+) -> float:
+    """Seconds saved by all-reducing parameter gradients in buckets instead of one by one,
+    with the buckets the runtime fills (``assign_buckets``, in backward order)."""
+    order = {n: k for k, n in enumerate(graph.param_nodes.values())}
     saved = 0.0
-    for axes, found in _gradient_all_reduces(collectives).items():
+    for axes, found in _by_axes(bucketed).items():
         fixed = prices.bucket_fixed_seconds(axes)
-        buckets, filled, cap = 1, 0.0, FIRST_BUCKET_BYTES
-        for c in reversed(found):  # the backward reaches the last parameters first
-            if filled and filled + c.bytes_per_rank > cap:
-                buckets, filled, cap = buckets + 1, 0.0, BUCKET_CAP_BYTES
-            filled += c.bytes_per_rank
-        saved += (len(found) - buckets) * fixed
+        launch = sorted(found, key=lambda entry: order.get(entry[1], 0), reverse=True)
+        entries = [(axes, int(b)) for b, _ in launch]
+        buckets = assign_buckets(entries, int(BUCKET_CAP_BYTES), FIRST_BUCKET_BYTES)
+        saved += (len(found) - len(buckets)) * fixed
     return saved
 
 

@@ -15,7 +15,14 @@
 # model's parameters, divided by the ops it is priced for, gives the seconds per update op
 # (tiny tensors: its bytes do not count). A partial sum of 16 floats boxed to broadcast,
 # less a bare all_reduce of them, gives the eager work of a boxing step beside its
-# collective (planning, layout checks, copies: several times an op's). Each rate is the
+# collective (planning, layout checks, copies: several times an op's). The bare all_reduce
+# itself, per latency round (``ceil(log2 p)`` on the placement's ``p`` ranks), gives
+# ``collective_seconds``, the wait per round of a collective (NOTE [default prices]): the
+# wait inside a step, for ranks that reach a collective apart, cannot be timed outside one,
+# so a bare collective's time stands for it (on the busy 2-core test host of the same order
+# as the CPU default). Where the placement is one rank or not the whole world (no bare group
+# to time), the boxing step's eager work is left to ``op_seconds`` and the wait to the
+# device's default (``ComputeModel.default``). Each rate is the
 # median of ``repeats`` timings: the step it predicts is timed as a median too, and on a
 # shared machine the best of a few runs catches moments the step never sees. In a job, rank
 # 0's numbers are broadcast so every rank plans with identical constants (ranks planning
@@ -111,17 +118,27 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
     values = [2.0 * n**3 / mm, 3.0 * numel * x.element_size() / add, op, update_op]
     joined = dist.is_available() and dist.is_initialized()
     boxing = _boxing_op(placement, repeats, device) if joined else None
-    values.append(-1.0 if boxing is None else boxing)
+    values += [-1.0, -1.0] if boxing is None else list(boxing)
     if joined:
         values = broadcast_from_first(values, device_type)
-    return ComputeModel(*values[:4], boxing_op_seconds=None if values[4] < 0 else values[4])
+    measured = values[4] >= 0
+    return ComputeModel(
+        *values[:4],
+        boxing_op_seconds=values[4] if measured else None,
+        collective_seconds=values[5]
+        if measured
+        else ComputeModel.default(device_type).collective_seconds,
+    )
 
 
-def _boxing_op(placement: Placement, repeats: int, device: torch.device) -> float | None:
-    """Eager seconds of one boxing step beside its collective: a partial sum of 16 floats
-    boxed to broadcast (one all_reduce over the placement) less a bare all_reduce of them.
-    ``None`` where the placement is one rank or not the whole world (no bare group to
-    compare with)."""
+def _boxing_op(
+    placement: Placement, repeats: int, device: torch.device
+) -> tuple[float, float] | None:
+    """Eager seconds of one boxing step beside its collective, a partial sum of 16 floats
+    boxed to broadcast (one all_reduce over the placement) less a bare all_reduce of them,
+    and the wait per latency round of a collective: the bare all_reduce over its rounds
+    (NOTE [calibrated compute]). ``None`` where the placement is one rank or not the whole
+    world (no bare group to compare with)."""
     if placement.num_ranks == 1 or placement.num_ranks != dist.get_world_size():
         return None
     # partial on every axis: one all_reduce over the whole placement
@@ -130,7 +147,8 @@ def _boxing_op(placement: Placement, repeats: int, device: torch.device) -> floa
     whole = (broadcast,) * placement.ndim
     boxed = _median(lambda: partial.to_global(sbp=whole), repeats, device)
     raw = _median(lambda: dist.all_reduce(bare), repeats, device)
-    return max(boxed - raw, 0.0)
+    rounds = (placement.num_ranks - 1).bit_length()
+    return max(boxed - raw, 0.0), raw / rounds
 
 
 def _device(placement: Placement) -> torch.device:

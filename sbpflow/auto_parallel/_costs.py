@@ -12,13 +12,15 @@
 # ``boxing_op_seconds`` where given, as ``calibrate_compute`` measures it): issuing it is eager
 # work too, so of two boxings moving the same bytes (an all_reduce, or a reduce_scatter
 # then an all_gather) the one with fewer steps is cheaper. A step that communicates costs
-# ``collective_seconds`` more per latency round (``ceil(log2 p)`` on ``p`` ranks, as the cost
-# model counts them): each is a point where every rank of its group waits for the slowest,
-# which an alpha-beta fit of collectives timed back to back does not see, and a larger
-# group has more ranks to wait for. On the busy 2-core host the tests run on, a boxing step
-# of a few floats on 2 ranks took 0.57-0.99 ms inside a step against its 0.13 ms alpha-beta
-# price and 0.05 ms of eager work: the CPU default is 0.6 ms a round. The optimizer's update
-# of each parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local
+# ``collective_seconds * ceil(log2 p)`` more (``p`` the ranks of its group), once per step
+# whatever its collective: an all_reduce, which the cost model counts as twice the latency
+# rounds of an all_gather, waits as long as one. Each collective is a point where every
+# rank of its group waits for the slowest, which an alpha-beta fit of collectives timed
+# back to back does not see, and a larger group has more ranks to wait for
+# (``ceil(log2 p)`` stands for how that grows). On the busy 2-core host the tests run on,
+# a boxing step of a few floats on 2 ranks took 0.57-0.99 ms inside a step against its
+# 0.13 ms alpha-beta price and 0.05 ms of eager work: the CPU default is 0.6 ms (times one
+# on 2 ranks). The optimizer's update of each parameter costs ``optimizer_ops(states)`` elementwise ops on the parameter's local
 # piece (AdamW: 9, plain SGD: 1), each ``update_op_seconds`` (an op outside autograd: a few
 # times cheaper than ``op_seconds``) plus its bytes (two read, one written) at
 # ``bytes_per_second``. The search weighs it (NOTE [the update in the search] in
@@ -70,7 +72,8 @@ class ComputeModel:
     update_op_seconds: float = 0.0
     # eager work of one boxing step beside its collective (None: ``op_seconds``)
     boxing_op_seconds: float | None = None
-    # waiting for the slowest rank of the group, per latency round of a collective
+    # waiting for the slowest rank of the group: a collective on ``p`` ranks costs this
+    # times ``ceil(log2 p)`` (NOTE [default prices])
     collective_seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -112,7 +115,7 @@ class ComputeModel:
         # the optimizer's update) and a data-centre GPU (~400 TFLOP/s dense bf16/tf32,
         # ~2 TB/s HBM, ~20 us per op: the kernel launch hides behind Python; ~10 us per
         # update op); ~0.6 ms (CPU, gloo: NOTE [default prices]) and ~10 us (GPU, NCCL) of
-        # waiting per latency round of a collective.
+        # waiting per collective, times ceil(log2 p) on p ranks.
         if device_type == "cuda":
             return ComputeModel(400e12, 2e12, 20e-6, 10e-6, collective_seconds=10e-6)
         return ComputeModel(100e9, 20e9, 50e-6, 15e-6, collective_seconds=COLLECTIVE_SECONDS)
@@ -199,8 +202,8 @@ class Prices:
 
     def _step_extra(self, axes: tuple[int, ...]) -> float:
         """What a boxing step costs beside its cost model's price: issuing it eagerly, and
-        for a collective over ``axes`` waiting for the group's slowest rank, per latency
-        round (NOTE [default prices])."""
+        for a collective over ``axes`` waiting for the group's slowest rank, ``ceil(log2 p)``
+        times ``collective_seconds`` on ``p`` ranks (NOTE [default prices])."""
         extra = self.compute.boxing_op_seconds
         if extra is None:
             extra = self.compute.op_seconds
@@ -214,24 +217,39 @@ class Prices:
         ranks = math.prod(self.mesh[a] for a in axes)
         return self.cost_model.all_reduce(ranks, 0.0) + self._step_extra(axes)
 
-    def bucket_discount(self, step: BoxingStep, dst: NdSbp) -> float:
-        """What a parameter gradient's boxing step costs less in a bucket than alone.
+    def bucket_discount(self, step: BoxingStep, dst: NdSbp, num_bytes: float) -> float:
+        """What a parameter gradient's boxing step costs less in a bucket than alone, for a
+        gradient of ``num_bytes`` per rank (in the parameter's layout ``dst``).
 
         NOTE [bucketed gradients in the search]: at run time data-parallel buckets
         all-reduce together the gradients of parameters broadcast on the all_reduce's
-        axes (nn/parallel/_reducer.py), so such an all_reduce is priced with its bytes and
-        only its share ``bytes / BUCKET_CAP_BYTES`` of a bucket's fixed cost; the program
-        adds the fixed cost of one bucket once per set of axes any such all_reduce runs
-        over (the first bucket), and of another where their bytes overflow the small first
-        bucket (``FIRST_BUCKET_BYTES``): the runtime's count up to the third bucket. Other steps (a reduce_scatter into a sharded parameter) run alone:
-        no discount; nor does a gradient of a bucket's size or more, which fills a bucket
-        of its own (its share would be negative: priced above running alone, and unlike
-        the plan's account of the buckets, which counts only discounted all_reduces).
+        axes (nn/parallel/_reducer.py, filled by ``assign_buckets``), so such an all_reduce
+        is priced with its bytes and only its share ``num_bytes / BUCKET_CAP_BYTES`` of a
+        bucket's fixed cost, counting the gradient tensor's bytes as the buckets do (not the
+        collective's ``bytes_per_rank``). The program adds the fixed cost of one bucket once
+        per set of axes any such all_reduce runs over (the first bucket), and of a second
+        where a gradient is left once the small first bucket (``FIRST_BUCKET_BYTES``) is
+        closed: as the runtime closes a bucket once it holds at least its cap, counting the
+        gradient that crosses it, that is where the gradients other than the last one the
+        backward hands over hold at least the first bucket's bytes. The program takes that
+        last one to be the first registered parameter that can be bucketed over those axes,
+        which matches the runtime where that parameter is bucketed (the common case: all
+        weights data parallel over those axes), and counts a bucket less otherwise. Buckets
+        beyond the second are priced by their shares only. Other steps (a reduce_scatter
+        into a sharded parameter) run alone: no discount; nor does a gradient of a bucket's
+        size or more, which fills a bucket of its own (its share would be negative: priced
+        above running alone, and unlike the plan's account of the buckets, which counts only
+        discounted all_reduces).
         """
         if step.op != "all_reduce" or not all(isinstance(dst[a], Broadcast) for a in step.axes):
             return 0.0
-        share = max(0.0, 1.0 - step.bytes_per_rank / BUCKET_CAP_BYTES)
+        share = max(0.0, 1.0 - num_bytes / BUCKET_CAP_BYTES)
         return self.bucket_fixed_seconds(step.axes) * share
+
+    def gradient_bytes(self, shape: tuple[int, ...], dtype: torch.dtype, dst: NdSbp) -> float:
+        """Bytes per rank of a parameter's gradient in the parameter's layout ``dst``: what
+        the data-parallel buckets count it as."""
+        return local_bytes(shape, dtype, dst, self.mesh)
 
     def gradient_boxing(
         self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
@@ -239,9 +257,10 @@ class Prices:
         """Search price of boxing a parameter's gradient ``src`` to the parameter's layout
         ``dst``, and the axes of its bucketed all_reduces."""
         seconds, steps = self.boxing(shape, dtype, src, dst)
+        num_bytes = self.gradient_bytes(shape, dtype, dst)
         axes = []
         for step in steps:
-            discount = self.bucket_discount(step, dst)
+            discount = self.bucket_discount(step, dst, num_bytes)
             if discount:
                 seconds -= discount
                 axes.append(step.axes)

@@ -17,8 +17,11 @@
 # its bytes and its share of a bucket's fixed cost, plus one binary u[axes] per set of mesh
 # axes such all_reduces run over, which any choice (or pair variable) that runs one forces
 # to 1, and which costs one bucket's fixed cost: the first bucket; and one binary per set of
-# axes forced to 1 where the bytes so bucketed exceed the small first bucket's, which costs a
-# second bucket's. (A view of a parameter hands a partial gradient on to it: the all_reduce
+# axes forced to 1 where the gradient bytes so bucketed, but those of the gradient the
+# backward hands over last, reach the small first bucket's, which costs a second bucket's
+# (the runtime's rule, ``bucket_last``; where the solver's integrality tolerance leaves that
+# binary at ~0 though the bytes reach the first bucket's, it is forced to 1 and the program
+# solved again). (A view of a parameter hands a partial gradient on to it: the all_reduce
 # can always happen at the parameter.)
 # A tiny preference for earlier strategies (all-broadcast first) makes ties deterministic;
 # the solver runs with a zero relative gap, so it is exact.
@@ -51,6 +54,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -74,6 +78,10 @@ __all__ = [
 
 _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
 
+# the bucketed all_reduces of a parameter gradient boxing: axes, bytes per rank in all, the
+# parameter (representative) and the bytes of one member's gradient
+_Mark = tuple[tuple[int, ...], float, int, float]
+
 
 @dataclass
 class Problem:
@@ -95,6 +103,9 @@ class Solution:
     num_variables: int
     num_constraints: int
     solve_seconds: float
+    # per set of axes, the parameter (representative) whose gradient the second-bucket rule
+    # takes as the backward's last bucketed one (NOTE [bucketed gradients in the search])
+    bucket_last: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
 
 
 def node_bytes(node: Node, strategy: Strategy, problem: Problem) -> float:
@@ -172,6 +183,22 @@ def _needs_grad(graph: Graph, u: int, o: int) -> bool:
     return node.requires_grad and node.out_dtypes[o].is_floating_point
 
 
+def bucket_last(
+    graph: Graph, reps: list[int], marks: list[tuple[int, tuple[int, ...], float, int, float]]
+) -> dict[tuple[int, ...], int]:
+    """Per set of axes, the parameter class of the first registered parameter whose gradient
+    can be all-reduced over them in a bucket: the backward hands its gradient over last."""
+    order = {n: k for k, n in enumerate(graph.param_nodes.values())}
+    first: dict[int, int] = {}
+    for n, k in order.items():
+        first[reps[n]] = min(first.get(reps[n], k), k)
+    last: dict[tuple[int, ...], int] = {}
+    for _, axes, _, param, _ in marks:
+        if axes not in last or first.get(param, 0) < first.get(last[axes], 0):
+            last[axes] = param
+    return last
+
+
 class _Program:
     """Columns (binary choices and continuous pair variables) and equality rows."""
 
@@ -184,9 +211,10 @@ class _Program:
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
-        # (column, axes, bytes): the column runs parameter gradients' all_reduces of those
-        # bytes per rank over those axes
-        self.buckets: list[tuple[int, tuple[int, ...], float]] = []
+        # (column, axes, bytes, parameter, one): the column runs the all_reduces over those
+        # axes of the gradients of the parameter's tied class, those bytes per rank in all,
+        # ``one`` of them for each member
+        self.buckets: list[tuple[int, tuple[int, ...], float, int, float]] = []
         # per set of axes, the most bytes the chosen columns can bucket over them: the sum
         # over one-hot groups of each group's most
         self.bucket_bound: Counter[tuple[int, ...]] = Counter()
@@ -213,20 +241,20 @@ class _Program:
         left: dict[object, list[int]],
         right: dict[object, list[int]],
         table: dict[tuple[object, object], float],
-        buckets: dict[tuple[object, object], tuple[tuple[tuple[int, ...], float], ...]]
-        | None = None,
+        buckets: dict[tuple[object, object], tuple[_Mark, ...]] | None = None,
         update: dict[tuple[object, object], float] | None = None,
     ) -> None:
         """Add ``table[a, b]`` seconds (and ``update[a, b]`` seconds of the optimizer's
         update) when the left choice is in group a and the right in group b (and mark it as
-        running the parameter gradient all_reduces ``buckets[a, b]``: axes and bytes)."""
+        running the parameter gradient all_reduces ``buckets[a, b]``: axes, bytes,
+        parameter and one member's bytes)."""
         buckets = buckets or {}
         update = update or {}
         if not any(table.values()) and not any(buckets.values()) and not any(update.values()):
             return
         most: dict[tuple[int, ...], float] = {}
         for marks in buckets.values():
-            for axes, num_bytes in marks:
+            for axes, num_bytes, _, _ in marks:
                 most[axes] = max(most.get(axes, 0.0), num_bytes)
         self.bucket_bound.update(most)
         if len(left) == 1 or len(right) == 1:
@@ -292,16 +320,17 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
 
     def gradient(
         u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp, times: int
-    ) -> tuple[float, tuple[tuple[tuple[int, ...], float], ...]]:
-        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, and the axes and
-        bytes of its all_reduces the buckets run (a parameter's), ``times`` times."""
+    ) -> tuple[float, tuple[_Mark, ...]]:
+        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, and the marks of
+        its all_reduces the buckets run (a parameter's), ``times`` times."""
         if graph.nodes[u].kind != "param":
             return times * prices.boxing(shape, dtype, src, dst)[0], ()
         seconds, _ = prices.gradient_boxing(shape, dtype, src, dst)
+        one = prices.gradient_bytes(shape, dtype, dst)
         marks = tuple(
-            (step.axes, times * step.bytes_per_rank)
+            (step.axes, times * one, u, one)
             for step in prices.boxing(shape, dtype, src, dst)[1]
-            if prices.bucket_discount(step, dst)
+            if prices.bucket_discount(step, dst, one)
         )
         return times * seconds, marks
 
@@ -408,7 +437,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         for a in left:
             for b in right:
                 forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
-                backward: tuple[float, tuple[tuple[tuple[int, ...], float], ...]] = (0.0, ())
+                backward: tuple[float, tuple[_Mark, ...]] = (0.0, ())
                 if _needs_grad(graph, u, o):
                     backward = gradient(u, shape, dtype, b[1], a[1], count)  # type: ignore[index]
                 table[(a, b)] = count * forward + backward[0]
@@ -420,8 +449,9 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     # one bucket's fixed cost per set of axes parameter gradients are all-reduced over, and
     # another where they overflow the small first bucket (NOTE [bucketed gradients in the
     # search] in _costs.py)
+    last = bucket_last(graph, reps, program.buckets)
     bucket_columns, second_columns = {}, {}
-    for axes in sorted({axes for _, axes, _ in program.buckets}):
+    for axes in sorted({mark[1] for mark in program.buckets}):
         for columns in (bucket_columns, second_columns):
             columns[axes] = len(program.cost)
             program.cost.append(prices.bucket_fixed_seconds(axes))
@@ -450,25 +480,27 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
                 [1.0, -1.0] * len(program.buckets),
                 (
                     [r for r in rows for _ in (0, 1)],
-                    [c for col, axes, _ in program.buckets for c in (col, bucket_columns[axes])],
+                    [c for col, axes, *_ in program.buckets for c in (col, bucket_columns[axes])],
                 ),
             ),
             shape=(len(program.buckets), num_vars),
         )
         constraints.append(LinearConstraint(marks, -np.inf, 0.0))
-        # the bytes bucketed over axes <= the first bucket's, or second[axes] = 1
+        # the bytes bucketed over axes but the last gradient's < the first bucket's, or
+        # second[axes] = 1 (NOTE [bucketed gradients in the search] in _costs.py)
         order = sorted(second_columns)
         data, row_ids, col_ids = [], [], []
-        for col, axes, num_bytes in program.buckets:
-            data.append(num_bytes)
+        for col, axes, num_bytes, param, one in program.buckets:
+            data.append(num_bytes - (one if param == last[axes] else 0.0))
             row_ids.append(order.index(axes))
             col_ids.append(col)
+        below = FIRST_BUCKET_BYTES - 1.0  # gradient bytes are whole numbers
         for r, axes in enumerate(order):
-            data.append(-max(program.bucket_bound[axes] - FIRST_BUCKET_BYTES, 1.0))
+            data.append(-max(program.bucket_bound[axes] - below, 1.0))
             row_ids.append(r)
             col_ids.append(second_columns[axes])
         overflow = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(order), num_vars))
-        constraints.append(LinearConstraint(overflow, -np.inf, float(FIRST_BUCKET_BYTES)))
+        constraints.append(LinearConstraint(overflow, -np.inf, below))
     if budget is not None and objective == "time":
         constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
     integrality = np.asarray(program.integer)
@@ -477,9 +509,25 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
     c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
     start = time.perf_counter()
-    result = milp(
-        c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
-    )
+    while True:
+        result = milp(
+            c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
+        )
+        if result.x is None or not program.buckets:
+            break
+        # A second bucket's binary takes up a few bytes over the first bucket for each unit
+        # of the solver's integrality tolerance times its big coefficient: where the
+        # gradients overflow the first bucket by so few, the solver keeps it at ~0. Such
+        # sets of axes pay their second bucket, solved again.
+        chosen_x = np.round(result.x)
+        over = [
+            second_columns[axes]
+            for r, axes in enumerate(order)
+            if chosen_x[second_columns[axes]] == 0 and (overflow[r] @ chosen_x)[0] > below
+        ]
+        if not over:
+            break
+        bounds.lb[over] = 1.0
     elapsed = time.perf_counter() - start
     if result.x is None:
         if result.status == 2:  # infeasible
@@ -503,4 +551,5 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         num_variables=num_vars,
         num_constraints=len(program.rows) + sum(c.A.shape[0] for c in constraints[1:]),
         solve_seconds=elapsed,
+        bucket_last=last,
     )

@@ -286,3 +286,24 @@ def test_a_tensor_written_between_planned_ops_is_boxed_afresh() -> None:
     reads of the same tensor shows in the second one and in the gradients."""
     for errors in get_pool(2).run(written_between_planned_ops_job):
         assert max(errors.values()) < 1e-5, errors
+
+
+def calibrate_job() -> dict[str, float]:
+    from sbpflow.auto_parallel import calibrate_compute
+
+    measured = calibrate_compute(sbpflow.placement("cpu", [0, 1]), repeats=3)
+    return {
+        "collective_seconds": measured.collective_seconds,
+        "boxing_op_seconds": measured.boxing_op_seconds,
+        "op_seconds": measured.op_seconds,
+    }
+
+
+def test_calibrate_compute_times_the_wait_of_a_collective() -> None:
+    """In a 2-rank job ``calibrate_compute`` measures ``collective_seconds`` (a bare
+    all_reduce over the placement, NOTE [calibrated compute]): positive, finite, and the
+    same on both ranks (rank 0's numbers), so calibrated plans keep the wait."""
+    results = get_pool(2).run(calibrate_job)
+    assert results[0] == results[1], results
+    assert 0 < results[0]["collective_seconds"] < 1.0, results
+    assert results[0]["boxing_op_seconds"] is not None, results

@@ -21,6 +21,8 @@ import torch
 
 import sbpflow
 from sbpflow.auto_parallel import Plan
+from sbpflow.auto_parallel._costs import Prices
+from sbpflow.nn.parallel._buckets import assign_buckets
 from sbpflow.nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
@@ -28,21 +30,22 @@ from sbpflow.sbp import split
 
 def per_step(plan: Plan) -> int:
     """Collectives one step of ``plan`` runs: its boxing steps that communicate, with the
-    bucketed parameter gradients' all_reduces counted as the buckets that run them."""
+    bucketed parameter gradients' all_reduces counted as the buckets that run them (the
+    runtime's ``assign_buckets`` over the gradients' bytes per rank, in backward order)."""
     found = [c for c in plan.collectives() if c.is_collective]
     alone = [c for c in found if not (c.parameter_gradient and c.op == "all_reduce")]
-    by_axes: dict[tuple[int, ...], list[int]] = {}
+    order = {p.name: k for k, p in enumerate(plan.params)}
+    size = {p.name: int(p.bytes_per_rank) for p in plan.params}
+    by_axes: dict[tuple[int, ...], list[str]] = {}
     for c in found:
         if c.parameter_gradient and c.op == "all_reduce":
-            by_axes.setdefault(c.axes, []).append(c.bytes_per_rank)
+            name = c.tensor.removesuffix(" gradient").removesuffix(" summed")
+            by_axes.setdefault(c.axes, []).append(name)
     buckets = 0
-    for sizes in by_axes.values():
-        buckets += 1
-        filled, cap = 0, FIRST_BUCKET_BYTES
-        for size in reversed(sizes):  # the backward reaches the last parameters first
-            if filled and filled + size > cap:
-                buckets, filled, cap = buckets + 1, 0, int(DEFAULT_BUCKET_CAP_MB * 2**20)
-            filled += size
+    cap = int(DEFAULT_BUCKET_CAP_MB * 2**20)
+    for axes, names in by_axes.items():
+        launch = sorted(names, key=order.__getitem__, reverse=True)  # backward order
+        buckets += len(assign_buckets([(axes, size[n]) for n in launch], cap, FIRST_BUCKET_BYTES))
     return len(alone) + buckets
 
 
@@ -105,3 +108,30 @@ def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> No
     assert plan.step_seconds <= pinned.step_seconds * (1 + 1e-9)
     layers = {n: s for n, s in plan.param_sbp.items() if n.startswith("model.layers.")}
     assert layers == {n: (torchtitan(n),) for n in layers}
+
+
+def test_parameter_gradients_stay_bucketed_when_they_just_overflow_the_first_bucket() -> None:
+    """Linear(256, 512), ReLU, Linear(512, 400) on 2 ranks, batch split, weights pinned
+    broadcast: 1.28 MiB of gradients, which the runtime all-reduces in one bucket (the first
+    closes once it holds 1 MiB, the gradient that crosses it included). The all_reduces
+    stay on the parameters' gradients, bucketed, and the plan counts one bucket; a second
+    bucket charged for them made all-reducing the transposes' gradients, one by one, look
+    cheaper."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 400, bias=False)
+    )
+    placement = sbpflow.placement("cpu", [0, 1])
+    x = torch.randn(16384, 256)
+    plan = sbpflow.auto_parallel(
+        model, placement, x, fixed={0: split(0), "0.weight": B, "2.weight": B}
+    )
+    reduced = [c for c in plan.collectives() if c.op == "all_reduce"]
+    assert sorted(c.tensor for c in reduced) == ["0.weight gradient", "2.weight gradient"]
+    assert all(c.parameter_gradient for c in reduced)
+    assert per_step(plan) == 1
+    # the two all_reduces run as one bucket: one bucket's fixed cost saved
+    fixed = Prices(placement, None, None).bucket_fixed_seconds((0,))
+    assert plan.bucket_savings_seconds == pytest.approx(fixed, rel=1e-9)
