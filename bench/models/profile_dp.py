@@ -82,12 +82,12 @@ def _phases(model: Any, ids: Any, foreach: bool | None) -> dict[str, Callable[[]
     }
 
 
-def _worker(rank: int, compiled: bool, foreach: bool | None, port: int, reps: int, q: Any) -> None:
+def gpt2_variants(
+    rank: int, compiled: bool, foreach: bool | None
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """The phases of a GPT-2 step for torch DDP and sbpflow global DP (the same model)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    warnings.filterwarnings("ignore")
-    join_world(rank, WORLD, port)
-    counter = _Counter()
     torch.manual_seed(0)
     base = gpt2()
     world_ids = torch.randint(0, VOCAB, (WORLD * BATCH_PER_RANK, SEQ))
@@ -97,8 +97,14 @@ def _worker(rank: int, compiled: bool, foreach: bool | None, port: int, reps: in
     ddp = _phases(maybe(DistributedDataParallel(copy.deepcopy(base))), local_ids, foreach)
     model = copy.deepcopy(base).to_global(placement, broadcast)
     ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
-    ours = _phases(maybe(model), ids, foreach)
-    variants = {"torch DDP": ddp, "sbpflow global DP": ours}
+    return {"torch DDP": ddp, "sbpflow global DP": _phases(maybe(model), ids, foreach)}
+
+
+def _worker(rank: int, compiled: bool, foreach: bool | None, port: int, reps: int, q: Any) -> None:
+    warnings.filterwarnings("ignore")
+    join_world(rank, WORLD, port)
+    counter = _Counter()
+    variants = gpt2_variants(rank, compiled, foreach)
     wall = {n: {p: [] for p in PHASES} for n in variants}
     cpu = {n: {p: [] for p in PHASES} for n in variants}
     for rep in range(3 + reps):

@@ -15,7 +15,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import os
@@ -25,7 +24,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,31 +31,17 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import sbpflow  # noqa: E402
 from bench._ranks import join_world  # noqa: E402
-from bench.models.profile_dp import _phases  # noqa: E402
-from bench.models.run import BATCH_PER_RANK, SEQ, VOCAB, WORLD, gpt2  # noqa: E402
-from sbpflow.sbp import broadcast, split  # noqa: E402
+from bench.models.profile_dp import gpt2_variants  # noqa: E402
+from bench.models.run import WORLD  # noqa: E402
 from sbpflow.testing import free_port  # noqa: E402
 
 
 def _worker(rank: int, compiled: bool, port: int, steps: int, top: int, q: Any) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
     warnings.filterwarnings("ignore")
     join_world(rank, WORLD, port)
-    torch.manual_seed(0)
-    base = gpt2()
-    world_ids = torch.randint(0, VOCAB, (WORLD * BATCH_PER_RANK, SEQ))
-    local_ids = world_ids.chunk(WORLD)[rank].contiguous()
-    placement = sbpflow.placement("cpu", list(range(WORLD)))
-    maybe = torch.compile if compiled else (lambda m: m)
-    ddp = _phases(maybe(DistributedDataParallel(copy.deepcopy(base))), local_ids, None)
-    model = copy.deepcopy(base).to_global(placement, broadcast)
-    ids = local_ids.to_global(placement, split(0), shape=world_ids.shape, check_meta=False)
-    ours = _phases(maybe(model), ids, None)
     report = {}
-    for name, phases in {"torch DDP": ddp, "sbpflow global DP": ours}.items():
+    for name, phases in gpt2_variants(rank, compiled, None).items():
         for _ in range(3):
             for phase in phases.values():
                 phase()
