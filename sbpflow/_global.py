@@ -621,7 +621,8 @@ def keep_hook_dicts(leaf: torch.Tensor, pre: Any, post: Any) -> None:
         if hooks is not None:
             setattr(leaf, field, hooks)
             if isinstance(leaf, GlobalTensor):
-                leaf.__dict__[key] = _NotCopied(hooks)
+                attrs = leaf.__dict__  # autograd plumbing, as in ``_register``
+                attrs[key] = _NotCopied(hooks)
 
 
 # NOTE [hook dicts after a swap]
