@@ -353,12 +353,9 @@ def _torchtitan_llama(name: str, t: torch.Tensor) -> Any:
     return split(1) if module in ("o_proj", "down_proj") else B
 
 
-def test_hugging_face_llama_layers_share_one_decision_and_beat_the_hand_plan() -> None:
-    """HF Llama (hidden 256, MLP 1024, 4 layers, 8 heads over 4 key/value heads) on 2 ranks,
-    batch broadcast: every op has a rule, the 4 decoder layers get one layout, the MLP is
-    Megatron's, and the plan's predicted step, the optimizer's update included, is no
-    slower than the best plan that keeps torchtitan's hand layout of the parameters (the
-    same search with them pinned)."""
+def llama_config() -> Any:
+    """bench/auto_parallel's Llama: hidden 256, MLP 1024, 4 layers, 8 heads over 4
+    key/value heads, vocabulary 1024."""
     transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
     config = transformers.LlamaConfig(
         vocab_size=1024,
@@ -368,10 +365,21 @@ def test_hugging_face_llama_layers_share_one_decision_and_beat_the_hand_plan() -
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=256,
+        attention_dropout=0.0,
     )
     config._attn_implementation = "sdpa"
+    return config
+
+
+def test_hugging_face_llama_layers_share_one_decision_and_beat_the_hand_plan() -> None:
+    """HF Llama (hidden 256, MLP 1024, 4 layers, 8 heads over 4 key/value heads) on 2 ranks,
+    batch broadcast: every op has a rule, the 4 decoder layers get one layout, the MLP is
+    Megatron's, and the plan's predicted step, the optimizer's update included, is no
+    slower than the best plan that keeps torchtitan's hand layout of the parameters (the
+    same search with them pinned)."""
+    transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(llama_config())
     ids = torch.zeros(8, 128, dtype=torch.long)
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(model, placement, ids, fixed={0: B})

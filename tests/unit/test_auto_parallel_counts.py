@@ -26,6 +26,7 @@ from sbpflow.nn.parallel._buckets import assign_buckets
 from sbpflow.nn.parallel._reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
+from tests.unit.test_auto_parallel import llama_config
 
 
 def per_step(plan: Plan) -> int:
@@ -64,24 +65,6 @@ def torchtitan(name: str, _t: Any = None) -> Any:
     if name.split(".")[-2] in ("embed_tokens", "lm_head"):
         return split(0)
     return torchtitan_layers(name)
-
-
-def llama_config() -> Any:
-    """bench/auto_parallel's Llama: hidden 256, MLP 1024, 4 layers, 8 heads over 4
-    key/value heads, vocabulary 1024."""
-    transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> None:
