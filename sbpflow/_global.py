@@ -505,17 +505,29 @@ def keep_grad_layout(leaf: torch.Tensor) -> None:
     register_accumulated_grad_hook(leaf, _after_accumulate)
 
 
-def _pre_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
-    """The gradient pre-hooks ``leaf`` runs: the dict ``register_grad_hook`` keeps in
-    ``__dict__`` (NOTE [hook dicts after a swap])."""
-    mine = leaf.__dict__.get("_grad_hooks_dict")
+# A tensor's hook dict -> the ``__dict__`` key of its record (NOTE [hook dicts after a swap]).
+_PRE, _POST = "_backward_hooks", "_post_accumulate_grad_hooks"
+_RECORDS = {_PRE: "_grad_hooks_dict", _POST: "_post_hooks_dict"}
+
+
+def _recorded(leaf: GlobalTensor, field: str) -> dict[Any, Any]:
+    mine = leaf.__dict__.get(_RECORDS[field])
     return {} if mine is None or mine.value is None else mine.value
+
+
+def _record(leaf: GlobalTensor, field: str, hooks: Any) -> None:
+    attrs = leaf.__dict__  # autograd plumbing, dropped by copies (``_NotCopied``)
+    attrs[_RECORDS[field]] = _NotCopied(hooks)
+
+
+def _pre_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
+    """The gradient pre-hooks ``leaf`` runs (NOTE [hook dicts after a swap])."""
+    return _recorded(leaf, _PRE)
 
 
 def _post_hooks(leaf: GlobalTensor) -> dict[Any, Any]:
     """The post-accumulate-grad hooks ``leaf`` runs (NOTE [hook dicts after a swap])."""
-    mine = leaf.__dict__.get("_post_hooks_dict")
-    return {} if mine is None or mine.value is None else mine.value
+    return _recorded(leaf, _POST)
 
 
 def _has_layout_hooks(leaf: GlobalTensor) -> bool:
@@ -595,34 +607,24 @@ def register_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) 
     tensor is kept in its ``__dict__`` (which moves with it) and put back first; a leaf with
     none kept there gets a new one (NOTE [hook dicts after a swap]).
     """
-    return _register(leaf, hook, "_backward_hooks", "_grad_hooks_dict", torch.Tensor.register_hook)
+    return _register(leaf, hook, _PRE, torch.Tensor.register_hook)
 
 
 def register_accumulated_grad_hook(leaf: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
     """``leaf.register_post_accumulate_grad_hook(hook)``, also after a swap (as
     ``register_grad_hook``)."""
-    return _register(
-        leaf,
-        hook,
-        "_post_accumulate_grad_hooks",
-        "_post_hooks_dict",
-        torch.Tensor.register_post_accumulate_grad_hook,
-    )
+    return _register(leaf, hook, _POST, torch.Tensor.register_post_accumulate_grad_hook)
 
 
 def keep_hook_dicts(leaf: torch.Tensor, pre: Any, post: Any) -> None:
     """Make ``pre`` and ``post`` (the hook dicts a tensor had before ``swap_tensors`` gave
     ``leaf`` its contents) the ones ``leaf`` runs, and record them (NOTE [hook dicts after a
     swap])."""
-    for field, key, hooks in (
-        ("_backward_hooks", "_grad_hooks_dict", pre),
-        ("_post_accumulate_grad_hooks", "_post_hooks_dict", post),
-    ):
+    for field, hooks in ((_PRE, pre), (_POST, post)):
         if hooks is not None:
             setattr(leaf, field, hooks)
             if isinstance(leaf, GlobalTensor):
-                attrs = leaf.__dict__  # autograd plumbing, as in ``_register``
-                attrs[key] = _NotCopied(hooks)
+                _record(leaf, field, hooks)
 
 
 # NOTE [hook dicts after a swap]
@@ -643,20 +645,18 @@ def _register(
     leaf: torch.Tensor,
     hook: Callable[[torch.Tensor], Any],
     field: str,
-    key: str,
     register: Callable[[torch.Tensor, Any], Any],
 ) -> Any:
     if not isinstance(leaf, GlobalTensor):
         return register(leaf, hook)
-    attrs = leaf.__dict__
-    mine = attrs.get(key)
+    mine = leaf.__dict__.get(_RECORDS[field])
     current = getattr(leaf, field)
     if mine is not None and current is not mine.value:
         setattr(leaf, field, mine.value)  # re-attaches it to this tensor (it has no others)
     elif mine is None and current is not None and leaf.grad_fn is None:
         setattr(leaf, field, None)  # left by a swap: torch ties a new dict to this tensor
     handle = register(leaf, hook)
-    attrs[key] = _NotCopied(getattr(leaf, field))
+    _record(leaf, field, getattr(leaf, field))
     return handle
 
 
