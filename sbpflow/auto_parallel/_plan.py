@@ -115,16 +115,15 @@ class ShardedModule:
 
 @dataclass(frozen=True)
 class Memory:
-    """Predicted bytes per rank, all held at once (an upper bound on the peak)."""
+    """Predicted bytes per rank: what the step keeps, and its peak (NOTE [peak memory] in
+    _peak.py: the largest sum held at once, transient buffers included; gradients, kept
+    activations and transient buffers are not all held at the same time)."""
 
     parameters: float
     gradients: float
     optimizer_state: float
     activations: float  # every op output autograd may keep, inputs and buffers
-
-    @property
-    def peak(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations
+    peak: float
 
 
 @dataclass(frozen=True)
