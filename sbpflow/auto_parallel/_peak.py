@@ -46,7 +46,14 @@ from ._strategies import Strategy, is_view
 if TYPE_CHECKING:
     from ._solve import Problem
 
-__all__ = ["LOSS_TEMPORARIES", "UPDATE_TEMPORARIES", "last_readers", "peak_bytes"]
+__all__ = [
+    "LOSS_TEMPORARIES",
+    "MIB",
+    "UPDATE_TEMPORARIES",
+    "add_peak",
+    "last_readers",
+    "peak_bytes",
+]
 
 LOSS_TEMPORARIES = 4  # tensors of an output's local size the loss's backward holds
 UPDATE_TEMPORARIES = 2  # tensors of a parameter's local size its update holds
@@ -238,10 +245,8 @@ def add_peak(program: Any, problem: Problem, offset: dict[int, int]) -> int:
     ) -> dict[int, float]:
         rep = problem.reps[n]
         node = graph.nodes[n]
-        return {
-            offset[rep] + s: sign * price(node, strategy) / MIB
-            for s, strategy in enumerate(problem.choices[rep])
-        }
+        values = [price(node, strategy) for strategy in problem.choices[rep]]
+        return {offset[rep] + s: sign * v / MIB for s, v in enumerate(values) if v}
 
     def add(*parts: dict[int, float]) -> dict[int, float]:
         total: dict[int, float] = {}

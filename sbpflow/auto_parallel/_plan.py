@@ -329,7 +329,7 @@ class Plan:
                 else ""
             )
             + ", optimizer "
-            f"{_fmt_seconds(self.optimizer_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
+            f"{_fmt_seconds(self.optimizer_seconds)}), peak memory ~{_fmt_bytes(m.peak)} per rank",
             f"  memory: parameters {_fmt_bytes(m.parameters)}, gradients {_fmt_bytes(m.gradients)}, "
             f"optimizer state {_fmt_bytes(m.optimizer_state)}, activations "
             f"{_fmt_bytes(m.activations)}"
