@@ -2,9 +2,8 @@
 the data axis and reads whole run with ``fully_shard``'s runtime (NOTE [fully sharded
 modules of a plan] in sbpflow/auto_parallel/_api.py), and training equals one process.
 
-The model is bench/auto_parallel's ``fsdp`` case: 4 blocks 64 -> 256 -> 64 over 4096 rows,
-a budget 20% of the parameter, gradient and AdamW state bytes below the replicated plan's
-footprint. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
+The model is 4 blocks 64 -> 256 -> 64 over 4096 rows, a budget 20% of the parameter,
+gradient and AdamW state bytes below the replicated plan's predicted peak. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
 ``fully_shard``'s: one all_gather per fully sharded module in the forward and one in the
 backward, one reduce_scatter per module, all issued by its runtime (not by the boxing of an
 op, which records a boxing plan); the rest is the data-parallel buckets' all_reduce.
