@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -94,23 +95,31 @@ def auto_parallel(
                 )
         choices[rep] = options
     problem = Problem(graph, reps, choices, prices, states, saved_outputs(graph))
-    bound, first = memory_budget, None
+    bound, found = memory_budget, []
     for _ in range(_BUDGET_TRIES):
         solution = solve(problem, bound)
         if solution is None:
             break
-        first = first or solution
+        found.append(solution)
         plan = _plan(problem, solution, memory_budget)
         if memory_budget is None or plan.memory.peak <= memory_budget:
             return plan
-        # fully_shard's gathered modules take the plan over the budget: search again with
-        # the budget lowered by the difference (NOTE [peak memory] in _peak.py)
+        # the plan's own prediction (its boxed copies, fully_shard's gathered modules) is
+        # over the budget: search again with the bound lowered by the difference (NOTE
+        # [peak memory] in _peak.py)
         bound -= plan.memory.peak - memory_budget
-    if first is not None:  # the first plan fits with its parameters gathered op by op
-        return _plan(problem, first, memory_budget, fully_shard=False)
     smallest = solve(problem, None, objective="memory")
-    footprint = "unknown" if smallest is None else f"{smallest.bytes_per_rank:.0f} bytes"
-    shown = "" if smallest is None else f" ({_fmt_bytes(smallest.bytes_per_rank)})"
+    if smallest is not None:  # the fastest plan of the smallest bound
+        fastest = solve(problem, smallest.bytes_per_rank + 1.0)
+        found += [fastest] if fastest is not None else []
+    peak = math.inf
+    for solution in found:  # with parameters gathered op by op, then the smallest
+        plan = _plan(problem, solution, memory_budget, fully_shard=False)
+        if plan.memory.peak <= memory_budget:
+            return plan
+        peak = min(peak, plan.memory.peak)
+    footprint = "unknown" if smallest is None else f"{peak:.0f} bytes"
+    shown = "" if smallest is None else f" ({_fmt_bytes(peak)})"
     raise ValueError(
         f"memory_budget={memory_budget:.0f} bytes per rank cannot be met: the smallest "
         f"footprint found is {footprint}{shown} per rank at its peak (parameters, gradients, "
@@ -406,6 +415,12 @@ def _plan(
             grad_bytes += size if node.requires_grad else 0.0
             optimizer += prices.optimizer_seconds(node, chosen(n))
     fully_sharded = _fully_sharded(problem, solution) if fully_shard else ()
+
+    def edge(u: int, o: int) -> tuple[NdSbp, NdSbp]:
+        key = (problem.reps[u], o)
+        given = solution.distribute.get(key, chosen(u).outputs[o])
+        return given, solution.accumulate.get(key, chosen(u).out_grads[o])
+
     sharded = [
         (m.module, tuple(graph.param_nodes[name] for name in m.params)) for m in fully_sharded
     ]
@@ -414,7 +429,7 @@ def _plan(
         grad_bytes,
         grad_bytes * problem.optimizer_states,
         activations,
-        peak_bytes(problem, chosen, sharded),
+        peak_bytes(problem, chosen, edge, sharded),
     )
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
     # the plan's own account of its costs is the program's objective, where parameter

@@ -16,16 +16,21 @@
 #   may come later and free it earlier), the gradients of the parameters whose last reader
 #   (directly or through views) is at or after k (their gradient exists from that reader's
 #   backward on), and op k's working set: the gradients of its outputs and of its inputs
-#   (in their gradient layouts) and the parameters it reads in the layout it reads them in
-#   (a gathered weight; none for a view, whose backward views its gradient).
+#   (in their gradient layouts), and each input gradient boxed to the layout its producer
+#   sums it in (none for a view, whose backward views its gradient). An input an op saves
+#   and reads in another layout than it arrives in is kept boxed too, beside the input
+#   (boxed at a module boundary, the copy is what autograd saves). The search, whose rows
+#   see one op's strategy at a time, counts neither copy, but the parameters op k reads in
+#   the layout it reads them in (a gathered weight).
 # - the optimizer's update: every parameter gradient, and ``UPDATE_TEMPORARIES`` tensors of
 #   the parameter being updated (AdamW's single-tensor step: ``sqrt`` then a quotient).
 # Where ``fully_shard``'s runtime runs a module (NOTE [fully sharded modules of a plan] in
 # _api.py), the backward of an op inside it holds the module's gathered parameters and
-# those of the module gathered one ahead (the one before it); known only once the plan is
-# chosen, they are added to the plan's prediction, not to the search's bound
-# (``auto_parallel`` searches again, under a budget lowered by the difference, where they
-# take the plan over its budget). On the bench's models the measured peak was the loss's
+# those of the module gathered one ahead (the one before it). Known only once the plan is
+# chosen, these and the boxed copies are in the plan's prediction, not in the search's
+# bound: where they take the plan over its budget, ``auto_parallel`` searches again under
+# a bound lowered by the difference, and at last takes the first plan found (or the
+# fastest of the smallest bound) with its parameters gathered op by op, where that fits. On the bench's models the measured peak was the loss's
 # backward: ``pow(2).mean()`` of 4096 x 64 rows split over 2 ranks held 3.0 MiB there,
 # which the earlier count (every kept tensor and every gradient at once, nothing else) left
 # out.
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from ..sbp import NdSbp, Split, broadcast
 from ._capture import Graph, Node
 from ._costs import local_bytes
+from ._saved import saves
 from ._strategies import Strategy, is_view
 
 if TYPE_CHECKING:
@@ -131,10 +137,13 @@ def working_bytes(
     problem: Problem,
     params: dict[int, int],
     gathered: Iterable[int] = (),
+    edge: Callable[[int, int], tuple[NdSbp, NdSbp]] | None = None,
 ) -> float:
     """Bytes op ``node``'s backward holds beside what the step keeps: its outputs' and
-    inputs' gradients and the parameters it reads, in the layouts it reads them in (but
-    those of ``gathered``, which ``fully_shard``'s runtime gathers for the whole module)."""
+    inputs' gradients. Without ``edge``: every parameter it reads, in the layout it reads
+    it in (the search's count), but those of ``gathered`` (and their views), read in their
+    modules' gathered copies. With ``edge(u, o)`` giving the layout an input arrives in and
+    the one its gradient is summed in: each input gradient boxed to another layout."""
     if node.kind != "op" or not node.requires_grad or is_view(node):
         return 0.0
     graph, mesh = problem.graph, problem.prices.mesh
@@ -149,10 +158,39 @@ def working_bytes(
     for i, (u, o) in enumerate(node.inputs):
         producer = graph.nodes[u]
         shape, dtype = producer.out_shapes[o], producer.out_dtypes[o]
-        if producer.requires_grad and dtype.is_floating_point:
+        needs_grad = producer.requires_grad and dtype.is_floating_point
+        if needs_grad:
             total += local_bytes(shape, dtype, strategy.grads[i], mesh)
-        if u in params and params[u] not in skip:
-            total += local_bytes(shape, dtype, strategy.inputs[i], mesh)
+        if edge is None:
+            if u in params and params[u] not in skip:
+                total += local_bytes(shape, dtype, strategy.inputs[i], mesh)
+        elif needs_grad and edge(u, o)[1] != strategy.grads[i]:
+            total += local_bytes(shape, dtype, edge(u, o)[1], mesh)
+    return total
+
+
+def boxed_kept_bytes(
+    node: Node,
+    strategy: Strategy,
+    problem: Problem,
+    params: dict[int, int],
+    gathered: Iterable[int],
+    edge: Callable[[int, int], tuple[NdSbp, NdSbp]],
+) -> float:
+    """Bytes of the inputs op ``node`` saves for its backward and reads in another layout
+    than they arrive in (``edge(u, o)[0]``): the boxed copy is kept too (boxed at a module
+    boundary, it is what autograd saves), beside the input (but parameters of
+    ``gathered``, read in their modules' gathered copies)."""
+    if node.kind != "op" or not node.requires_grad or is_view(node):
+        return 0.0
+    graph, mesh, skip = problem.graph, problem.prices.mesh, set(gathered)
+    total = 0.0
+    for i in saves(node, graph)[0]:
+        u, o = node.inputs[i]
+        if params.get(u) in skip or edge(u, o)[0] == strategy.inputs[i]:
+            continue
+        shape, dtype = graph.nodes[u].out_shapes[o], graph.nodes[u].out_dtypes[o]
+        total += local_bytes(shape, dtype, strategy.inputs[i], mesh)
     return total
 
 
@@ -177,11 +215,13 @@ def gathered_bytes(node: Node, layout: NdSbp, mesh: Any) -> float:
 def peak_bytes(
     problem: Problem,
     chosen: Callable[[int], Strategy],
+    edge: Callable[[int, int], tuple[NdSbp, NdSbp]],
     sharded: Iterable[tuple[str, tuple[int, ...]]] = (),
 ) -> float:
-    """The step's peak bytes per rank with every node's strategy ``chosen(n)``; ``sharded``
-    lists the modules ``fully_shard``'s runtime runs (innermost first), each with its
-    parameter nodes (NOTE [peak memory])."""
+    """The step's peak bytes per rank with every node's strategy ``chosen(n)``, output
+    ``(u, o)`` handed to its readers in ``edge(u, o)[0]`` and its gradient summed in
+    ``edge(u, o)[1]``; ``sharded`` lists the modules ``fully_shard``'s runtime runs
+    (innermost first), each with its parameter nodes (NOTE [peak memory])."""
     graph, mesh = problem.graph, problem.prices.mesh
     params = _param_of(graph)
     last = last_readers(graph)
@@ -200,7 +240,11 @@ def peak_bytes(
     grads_from: dict[int, float] = {}
     for p, k in last.items():
         grads_from[k] = grads_from.get(k, 0.0) + grad_bytes(graph.nodes[p], chosen(p), problem)
-    kept = [kept_bytes(n, chosen(n.index), problem) for n in graph.nodes]
+    kept = [
+        kept_bytes(n, chosen(n.index), problem)
+        + boxed_kept_bytes(n, chosen(n.index), problem, params, skip, edge)
+        for n in graph.nodes
+    ]
     total_kept = sum(kept)
     loss = sum(
         loss_bytes(graph, out, chosen(out[0]).outputs[out[1]], mesh) for out in graph.outputs
@@ -215,7 +259,7 @@ def peak_bytes(
             extra = root
             if module is not None:
                 extra += gathered[module] + (gathered[ahead[module]] if module in ahead else 0.0)
-            work = working_bytes(node, chosen(node.index), problem, params, skip)
+            work = working_bytes(node, chosen(node.index), problem, params, skip, edge)
             worst = max(worst, kept_before + grads + work + extra)
         kept_before -= kept[node.index]
     trained = [n for n in graph.nodes if n.index in last]
