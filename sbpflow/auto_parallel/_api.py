@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,12 +23,16 @@ from ._costs import (
     optimizer_ops,
     optimizer_states,
 )
+from ._peak import peak_bytes
 from ._plan import Boundary, Collective, Memory, OpChoice, ParamLayout, Plan, ShardedModule
 from ._saved import saved_outputs
 from ._solve import Problem, Solution, node_bytes, output_seconds, solve
 from ._strategies import Strategy, strategies, unsupported
 
 __all__ = ["auto_parallel", "reprice"]
+
+# searches under a lowered budget where fully_shard's gathered modules take a plan over it
+_BUDGET_TRIES = 4
 
 
 def auto_parallel(
@@ -90,17 +95,37 @@ def auto_parallel(
                 )
         choices[rep] = options
     problem = Problem(graph, reps, choices, prices, states, saved_outputs(graph))
-    solution = solve(problem, memory_budget)
-    if solution is None:
-        smallest = solve(problem, None, objective="memory")
-        footprint = "unknown" if smallest is None else f"{smallest.bytes_per_rank:.0f} bytes"
-        shown = "" if smallest is None else f" ({_fmt_bytes(smallest.bytes_per_rank)})"
-        raise ValueError(
-            f"memory_budget={memory_budget:.0f} bytes per rank cannot be met: the smallest "
-            f"footprint found is {footprint}{shown} per rank (parameters, gradients, optimizer "
-            "state and activations). Raise the budget, use more ranks, or a smaller batch."
-        )
-    return _plan(problem, solution, memory_budget)
+    bound, found = memory_budget, []
+    for _ in range(_BUDGET_TRIES):
+        solution = solve(problem, bound)
+        if solution is None:
+            break
+        found.append(solution)
+        plan = _plan(problem, solution, memory_budget)
+        if memory_budget is None or plan.memory.peak <= memory_budget:
+            return plan
+        # the plan's own prediction (its boxed copies, fully_shard's gathered modules) is
+        # over the budget: search again with the bound lowered by the difference (NOTE
+        # [peak memory] in _peak.py)
+        bound -= plan.memory.peak - memory_budget
+    smallest = solve(problem, None, objective="memory")
+    if smallest is not None:  # the fastest plan of the smallest bound
+        fastest = solve(problem, smallest.bytes_per_rank + 1.0)
+        found += [fastest] if fastest is not None else []
+    peak = math.inf
+    for solution in found:  # with parameters gathered op by op, then the smallest
+        plan = _plan(problem, solution, memory_budget, fully_shard=False)
+        if plan.memory.peak <= memory_budget:
+            return plan
+        peak = min(peak, plan.memory.peak)
+    footprint = "unknown" if smallest is None else f"{peak:.0f} bytes"
+    shown = "" if smallest is None else f" ({_fmt_bytes(peak)})"
+    raise ValueError(
+        f"memory_budget={memory_budget:.0f} bytes per rank cannot be met: the smallest "
+        f"footprint found is {footprint}{shown} per rank at its peak (parameters, gradients, "
+        "optimizer state, activations and the backward's buffers). Raise the budget, use more ranks, "
+        "or a smaller batch."
+    )
 
 
 def reprice(
@@ -264,7 +289,11 @@ def _into_parameter(
     return into
 
 
-def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
+def _plan(
+    problem: Problem, solution: Solution, budget: float | None, fully_shard: bool = True
+) -> Plan:
+    """The plan of ``solution``; ``fully_shard=False`` runs no module with ``fully_shard``'s
+    runtime (its parameters gathered op by op, as the search's peak counts them)."""
     graph, prices = problem.graph, problem.prices
     mesh = prices.mesh
 
@@ -385,7 +414,23 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
             param_bytes += size
             grad_bytes += size if node.requires_grad else 0.0
             optimizer += prices.optimizer_seconds(node, chosen(n))
-    memory = Memory(param_bytes, grad_bytes, grad_bytes * problem.optimizer_states, activations)
+    fully_sharded = _fully_sharded(problem, solution) if fully_shard else ()
+
+    def edge(u: int, o: int) -> tuple[NdSbp, NdSbp]:
+        key = (problem.reps[u], o)
+        given = solution.distribute.get(key, chosen(u).outputs[o])
+        return given, solution.accumulate.get(key, chosen(u).out_grads[o])
+
+    sharded = [
+        (m.module, tuple(graph.param_nodes[name] for name in m.params)) for m in fully_sharded
+    ]
+    memory = Memory(
+        param_bytes,
+        grad_bytes,
+        grad_bytes * problem.optimizer_states,
+        activations,
+        peak_bytes(problem, chosen, edge, sharded),
+    )
     compute = sum(prices.compute_seconds(n, chosen(n.index)) for n in graph.nodes)
     # the plan's own account of its costs is the program's objective, where parameter
     # gradients' all_reduces are priced as buckets (NOTE [bucketed gradients in the search])
@@ -399,7 +444,7 @@ def _plan(problem: Problem, solution: Solution, budget: float | None) -> Plan:
     return Plan(
         bucket_savings_seconds=_bucket_savings(bucketed, prices, graph),
         boundaries=_boundaries(problem, solution, tuple(output_sbp)),
-        fully_sharded=_fully_sharded(problem, solution),
+        fully_sharded=fully_sharded,
         placement=prices.placement,
         params=tuple(params),
         input_sbp=tuple(chosen(n).outputs[0] for n in graph.input_nodes),

@@ -115,16 +115,15 @@ class ShardedModule:
 
 @dataclass(frozen=True)
 class Memory:
-    """Predicted bytes per rank, all held at once (an upper bound on the peak)."""
+    """Predicted bytes per rank: what the step keeps, and its peak (NOTE [peak memory] in
+    _peak.py: the largest sum held at once, transient buffers included; gradients, kept
+    activations and transient buffers are not all held at the same time)."""
 
     parameters: float
     gradients: float
     optimizer_state: float
     activations: float  # every op output autograd may keep, inputs and buffers
-
-    @property
-    def peak(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations
+    peak: float
 
 
 @dataclass(frozen=True)
@@ -330,7 +329,7 @@ class Plan:
                 else ""
             )
             + ", optimizer "
-            f"{_fmt_seconds(self.optimizer_seconds)}), memory ~{_fmt_bytes(m.peak)} per rank",
+            f"{_fmt_seconds(self.optimizer_seconds)}), peak memory ~{_fmt_bytes(m.peak)} per rank",
             f"  memory: parameters {_fmt_bytes(m.parameters)}, gradients {_fmt_bytes(m.gradients)}, "
             f"optimizer state {_fmt_bytes(m.optimizer_state)}, activations "
             f"{_fmt_bytes(m.activations)}"

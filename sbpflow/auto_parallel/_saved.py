@@ -17,7 +17,7 @@ from __future__ import annotations
 from ._capture import Graph, Node
 from ._strategies import _base, is_view
 
-__all__ = ["saved_outputs"]
+__all__ = ["saved_outputs", "saves"]
 
 # ops whose backward needs none of their inputs or outputs (shapes aside)
 _SAVES_NOTHING = {
@@ -44,7 +44,7 @@ _SAVES_OUTPUT = {"rsqrt", "sqrt", "exp", "tanh", "sigmoid", "_softmax", "softmax
 _SAVES_OTHERS = {"mm", "addmm", "bmm", "matmul", "mul", "baddbmm"}
 
 
-def _saves(node: Node, graph: Graph) -> tuple[list[int], list[int]]:
+def saves(node: Node, graph: Graph) -> tuple[list[int], list[int]]:
     """(input positions, output positions) of ``node`` its backward reads."""
     if node.kind != "op" or not node.requires_grad or is_view(node):
         return [], []
@@ -87,7 +87,7 @@ def saved_outputs(graph: Graph) -> frozenset[tuple[int, int]]:
     """Every (node, output) the backward keeps alive, the step's outputs included."""
     kept: set[tuple[int, int]] = set(graph.outputs)
     for node in graph.nodes:
-        inputs, outputs = _saves(node, graph)
+        inputs, outputs = saves(node, graph)
         kept.update(node.inputs[i] for i in inputs)
         kept.update((node.index, o) for o in outputs)
     for node in reversed(graph.nodes):  # a kept view keeps its base

@@ -10,8 +10,8 @@
 # sum_k y[k, m] = w[m] is exactly z[k] * w[m] once z and w are one-hot, so the edge's cost
 # sum c[k, m] y[k, m] is linear. Edges whose two ends have one group each need no y.
 # Minimise compute + boxing + the optimizer's update seconds (each tied class counted once
-# per member; NOTE [the update in the search]), subject to the bytes per rank (parameters,
-# gradients, optimizer state, activations) <= the budget.
+# per member; NOTE [the update in the search]), subject to the step's peak bytes per rank
+# <= the budget (NOTE [peak memory] in _peak.py).
 # The all_reduce of a parameter's gradient into the parameter (broadcast there) is priced as
 # the data-parallel buckets run it (NOTE [bucketed gradients in the search] in _costs.py):
 # its bytes and its share of a bucket's fixed cost, plus one binary u[axes] per set of mesh
@@ -65,6 +65,7 @@ from ..nn.parallel._reducer import FIRST_BUCKET_BYTES
 from ..sbp import NdSbp, broadcast
 from ._capture import Graph, Node
 from ._costs import Prices, local_bytes
+from ._peak import MIB, add_peak
 from ._strategies import Strategy, grad_target, is_view
 
 __all__ = [
@@ -99,7 +100,7 @@ class Solution:
     accumulate: dict[tuple[int, int], NdSbp]  # G per shared output (NOTE [shared outputs])
     distribute: dict[tuple[int, int], NdSbp]  # F per shared output
     seconds: float  # predicted step (the objective without tie breaks)
-    bytes_per_rank: float
+    bytes_per_rank: float  # the peak the program bounds (0: it had no budget)
     num_variables: int
     num_constraints: int
     solve_seconds: float
@@ -204,13 +205,16 @@ class _Program:
 
     def __init__(self) -> None:
         self.cost: list[float] = []
-        self.memory: list[float] = []
         # the optimizer's update, seconds, less what storing a parameter split where it is
         # read whole saves of it (NOTE [the update in the search])
         self.update: list[float] = []
         self.tie_break: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
+        # rows >= 0 (the peak memory's, NOTE [peak memory] in _peak.py), and the continuous
+        # columns with no upper bound (MiB)
+        self.positive: list[dict[int, float]] = []
+        self.unbounded: list[int] = []
         # (column, axes, bytes, parameter, one): the column runs the all_reduces over those
         # axes of the gradients of the parameter's tied class, those bytes per rank in all,
         # ``one`` of them for each member
@@ -219,22 +223,33 @@ class _Program:
         # over one-hot groups of each group's most
         self.bucket_bound: Counter[tuple[int, ...]] = Counter()
 
-    def choice(
-        self,
-        costs: list[float],
-        memory: list[float],
-        update: list[float] | None = None,
-    ) -> int:
+    def choice(self, costs: list[float], update: list[float] | None = None) -> int:
         """A one-hot choice among ``len(costs)`` options; returns its first column."""
         first = len(self.cost)
         self.cost += costs
-        self.memory += memory
         self.update += update or [0.0] * len(costs)
         self.tie_break += [_TIE_BREAK * s for s in range(len(costs))]
         self.integer += [1] * len(costs)
         cols = list(range(first, first + len(costs)))
         self.rows.append((cols, [1.0] * len(cols), 1.0))
         return first
+
+    def continuous(self) -> int:
+        """A continuous column >= 0 with no upper bound, free in the objective."""
+        self.cost.append(0.0)
+        self.update.append(0.0)
+        self.tie_break.append(0.0)
+        self.integer.append(0)
+        self.unbounded.append(len(self.cost) - 1)
+        return len(self.cost) - 1
+
+    def equal(self, row: dict[int, float]) -> None:
+        """``sum(row[col] * x[col]) == 0``."""
+        self.rows.append((list(row), list(row.values()), 0.0))
+
+    def at_least(self, row: dict[int, float]) -> None:
+        """``sum(row[col] * x[col]) >= 0``."""
+        self.positive.append(row)
 
     def pair(
         self,
@@ -270,7 +285,6 @@ class _Program:
             self.buckets += [(index[key], *mark) for mark in buckets.get(key, ())]
             self.cost.append(c)
             self.update.append(update.get(key, 0.0))
-            self.memory.append(0.0)
             self.tie_break.append(0.0)
             self.integer.append(0)
         for a, cols in left.items():
@@ -340,7 +354,6 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         node = graph.nodes[rep]
         options = problem.choices[rep]
         costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
-        memory = [counts[rep] * node_bytes(node, s, problem) for s in options]
         for output in graph.outputs:
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
@@ -348,7 +361,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
                     seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
                     costs[k] += seconds
         update = [counts[rep] * prices.optimizer_seconds(node, s) for s in options]
-        offset[rep] = program.choice(costs, memory, update)
+        offset[rep] = program.choice(costs, update)
 
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:
         return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
@@ -378,7 +391,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         node = graph.nodes[u]
         shape, dtype = node.out_shapes[o], node.out_dtypes[o]
         left = producer_groups(u, o)
-        spread_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+        spread_offset[(u, o)] = program.choice([0.0] * len(layouts))
         right = _groups(spread_offset[(u, o)], list(layouts))
         pairs = [(a, f) for a in left for f in right]
         param = _stored(graph, u)
@@ -396,7 +409,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         if (u, o) not in candidates:
             continue
         layouts = candidates[(u, o)]
-        sum_offset[(u, o)] = program.choice([0.0] * len(layouts), [0.0] * len(layouts))
+        sum_offset[(u, o)] = program.choice([0.0] * len(layouts))
         right = _groups(sum_offset[(u, o)], list(layouts))
         found = {
             (a, g): gradient(u, shape, dtype, g, a[1], counts[u])  # type: ignore[index]
@@ -456,13 +469,13 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             columns[axes] = len(program.cost)
             program.cost.append(prices.bucket_fixed_seconds(axes))
             program.update.append(0.0)
-            program.memory.append(0.0)
             program.tie_break.append(0.0)
             program.integer.append(1)
 
+    # the peak bytes per rank, where a budget bounds them or they are the objective
+    peak = add_peak(program, problem, offset) if budget is not None or objective != "time" else None
     num_vars = len(program.cost)
     c_time = np.asarray(program.cost)
-    c_memory = np.asarray(program.memory)
     c_update = np.asarray(program.update)
     c_ties = np.asarray(program.tie_break)
     data, row_ids, col_ids, rhs = [], [], [], []
@@ -501,13 +514,26 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             col_ids.append(second_columns[axes])
         overflow = sparse.csr_matrix((data, (row_ids, col_ids)), shape=(len(order), num_vars))
         constraints.append(LinearConstraint(overflow, -np.inf, below))
-    if budget is not None and objective == "time":
-        constraints.append(LinearConstraint(c_memory.reshape(1, -1), -np.inf, float(budget)))
+    if program.positive:
+        data, row_ids, col_ids = [], [], []
+        for r, row in enumerate(program.positive):
+            row_ids += [r] * len(row)
+            col_ids += list(row)
+            data += list(row.values())
+        shape = (len(program.positive), num_vars)
+        rows = sparse.csr_matrix((data, (row_ids, col_ids)), shape=shape)
+        constraints.append(LinearConstraint(rows, 0.0, np.inf))
     integrality = np.asarray(program.integer)
     bounds = Bounds(np.zeros(num_vars), np.ones(num_vars))
+    bounds.ub[program.unbounded] = np.inf
+    c_memory = np.zeros(num_vars)
+    if peak is not None:
+        c_memory[peak] = 1.0
+        if budget is not None and objective == "time":
+            bounds.ub[peak] = float(budget) / MIB
     options = {"mip_rel_gap": 0.0, "presolve": True}
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
-    c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory / 2**20 + c_ties
+    c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory + c_ties
     start = time.perf_counter()
     while True:
         result = milp(
@@ -547,7 +573,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         accumulate=accumulate,
         distribute=distribute,
         seconds=float(c_time @ result.x),
-        bytes_per_rank=float(c_memory @ result.x),
+        bytes_per_rank=0.0 if peak is None else float(result.x[peak]) * MIB,
         num_variables=num_vars,
         num_constraints=len(program.rows) + sum(c.A.shape[0] for c in constraints[1:]),
         solve_seconds=elapsed,

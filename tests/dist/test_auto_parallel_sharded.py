@@ -2,9 +2,8 @@
 the data axis and reads whole run with ``fully_shard``'s runtime (NOTE [fully sharded
 modules of a plan] in sbpflow/auto_parallel/_api.py), and training equals one process.
 
-The model is bench/auto_parallel's ``fsdp`` case: 4 blocks 64 -> 256 -> 64 over 4096 rows,
-a budget 20% of the parameter, gradient and AdamW state bytes below the replicated plan's
-footprint. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
+The model is 4 blocks 64 -> 256 -> 64 over 4096 rows, a budget 20% of the parameter,
+gradient and AdamW state bytes below the replicated plan's predicted peak. Each step's collectives, recorded by ``sbpflow.boxing.trace()``, are
 ``fully_shard``'s: one all_gather per fully sharded module in the forward and one in the
 backward, one reduce_scatter per module, all issued by its runtime (not by the boxing of an
 op, which records a boxing plan); the rest is the data-parallel buckets' all_reduce.
@@ -29,6 +28,12 @@ _STEPS = 3
 _TOL = 1e-5
 
 
+def _state_bytes(plan: sbpflow.auto_parallel.Plan) -> float:
+    """Parameter, gradient and optimizer-state bytes per rank the plan predicts."""
+    m = plan.memory
+    return m.parameters + m.gradients + m.optimizer_state
+
+
 def _gathers(plan: Any) -> bool:
     return any(step.op == "all_gather" for step in plan.steps)
 
@@ -39,7 +44,7 @@ def sharded_plan_job() -> dict[str, Any]:
     reference = nn.Sequential(*[Block(64, 256) for _ in range(4)])
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
     replicated = sbpflow.auto_parallel(reference, placement, x)
-    state = replicated.memory.peak - replicated.memory.activations
+    state = _state_bytes(replicated)
     budget = replicated.memory.peak - 0.2 * state
     plan = sbpflow.auto_parallel(reference, placement, x, memory_budget=budget)
     model = copy.deepcopy(reference)
@@ -149,7 +154,7 @@ def apply_twice_job() -> dict[str, Any]:
     reference = nn.Sequential(*[Block(64, 256) for _ in range(4)])
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
     replicated = sbpflow.auto_parallel(reference, placement, x)
-    state = replicated.memory.peak - replicated.memory.activations
+    state = _state_bytes(replicated)
     plan = sbpflow.auto_parallel(
         reference, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
     )
@@ -201,7 +206,7 @@ def returned_view_job() -> dict[str, Any]:
     reference = PosModel()
     x = torch.randn(8, 256, 256, generator=torch.Generator().manual_seed(1))
     replicated = sbpflow.auto_parallel(reference, placement, x)
-    state = replicated.memory.peak - replicated.memory.activations
+    state = _state_bytes(replicated)
     plan = sbpflow.auto_parallel(
         reference, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
     )

@@ -18,6 +18,12 @@ from sbpflow.sbp import Broadcast, Split, broadcast
 from .test_auto_parallel import MlpBlock as Block
 
 
+def _state_bytes(plan: sbpflow.auto_parallel.Plan) -> float:
+    """Parameter, gradient and optimizer-state bytes per rank the plan predicts."""
+    m = plan.memory
+    return m.parameters + m.gradients + m.optimizer_state
+
+
 def _blocks(dim: int, inner: int, rows: int) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(dim, inner) for _ in range(4)])
@@ -33,7 +39,7 @@ def test_a_budget_plan_runs_its_split_weights_fully_sharded() -> None:
     model, x = _blocks(64, 256, 4096)
     replicated = sbpflow.auto_parallel(model, placement, x)
     assert replicated.fully_sharded == ()  # nothing split: data parallel
-    state = replicated.memory.peak - replicated.memory.activations
+    state = _state_bytes(replicated)
     plan = sbpflow.auto_parallel(
         model, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
     )
@@ -76,7 +82,7 @@ def test_weights_computed_with_split_are_not_fully_sharded() -> None:
 def _budget_plan(model: nn.Module, x: torch.Tensor) -> sbpflow.auto_parallel.Plan:
     placement = sbpflow.placement("cpu", [0, 1])
     replicated = sbpflow.auto_parallel(model, placement, x)
-    state = replicated.memory.peak - replicated.memory.activations
+    state = _state_bytes(replicated)
     return sbpflow.auto_parallel(
         model, placement, x, memory_budget=replicated.memory.peak - 0.2 * state
     )
