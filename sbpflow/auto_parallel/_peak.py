@@ -19,8 +19,12 @@
 #   (in their gradient layouts), and each input gradient boxed to the layout its producer
 #   sums it in (none for a view, whose backward views its gradient). An input an op saves
 #   and reads in another layout than it arrives in is kept boxed too, beside the input
-#   (boxed at a module boundary, the copy is what autograd saves). The search, whose rows
-#   see one op's strategy at a time, counts neither copy, but the parameters op k reads in
+#   (boxed at a module boundary, the copy is what autograd saves). An output several ops
+#   read, boxed once to a distribution layout other than its own (NOTE [shared outputs] in
+#   _solve.py), is kept in that layout too where the backward keeps it: on a 2x2 mesh the
+#   batch split on axis 0, boxed at the model's input to split on both axes for the first
+#   norm and residual, measured that copy (0.25 MiB) over the prediction. The search, whose rows
+#   see one op's strategy at a time, counts none of these copies, but the parameters op k reads in
 #   the layout it reads them in (a gathered weight).
 # - the optimizer's update: every parameter gradient, and ``UPDATE_TEMPORARIES`` tensors of
 #   the parameter being updated (AdamW's single-tensor step: ``sqrt`` then a quotient).
@@ -194,6 +198,29 @@ def boxed_kept_bytes(
     return total
 
 
+def distributed_kept_bytes(
+    node: Node,
+    strategy: Strategy,
+    problem: Problem,
+    params: dict[int, int],
+    edge: Callable[[int, int], tuple[NdSbp, NdSbp]],
+) -> float:
+    """Bytes of the copies of ``node``'s kept outputs boxed once to a distribution layout
+    ``edge(u, o)[0]`` other than their own (NOTE [shared outputs] in _solve.py; boxed at a
+    module boundary, the readers save that copy, which ``boxed_kept_bytes`` compares
+    against): taken to live as long as the output (an upper bound). Not a parameter's,
+    which each reader boxes for itself."""
+    if node.index in params:
+        return 0.0
+    mesh = problem.prices.mesh
+    total = 0.0
+    for o, (shape, dtype) in enumerate(zip(node.out_shapes, node.out_dtypes, strict=True)):
+        given = edge(node.index, o)[0]
+        if (node.index, o) in problem.saved and given != strategy.outputs[o]:
+            total += local_bytes(shape, dtype, given, mesh)
+    return total
+
+
 def loss_bytes(graph: Graph, output: tuple[int, int], layout: NdSbp, mesh: Any) -> float:
     """The loss's backward working set for one output in ``layout``."""
     shape, dtype = (
@@ -243,6 +270,7 @@ def peak_bytes(
     kept = [
         kept_bytes(n, chosen(n.index), problem)
         + boxed_kept_bytes(n, chosen(n.index), problem, params, skip, edge)
+        + distributed_kept_bytes(n, chosen(n.index), problem, params, edge)
         for n in graph.nodes
     ]
     total_kept = sum(kept)
