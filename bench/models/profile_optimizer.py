@@ -11,7 +11,8 @@ Two sizes: the model's own (``full``: the kernels' time included) and ``tiny``, 
 parameter replaced by 4 elements (the same 52 parameters and 416 dispatched ops per step,
 nearly no kernel time): there the difference between the kinds is the per-op cost of each.
 Kinds are interleaved (each repetition steps every kind once, in a rotating order); medians
-over ``--reps`` steps, wall and CPU (``time.process_time``) time, in ms, with the load average.
+over ``--reps`` steps, wall and CPU (``time.process_time``) time, in ms, with the load average;
+one thread, as each rank of ``run.py`` has.
 Then the number of ops that reached sbpflow's dispatcher in one step, by op.
 
 With ``--profile`` the sbpflow step of the chosen size also runs under ``cProfile`` (own
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
     for size in args.sizes.split(","):
         load = os.getloadavg()[0]
         result = measure(size, args.reps or (200 if size == "tiny" else 20))
