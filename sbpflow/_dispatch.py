@@ -73,13 +73,16 @@ aten = torch.ops.aten
 
 _TO_COPY = aten._to_copy.default
 _warned: set[str] = set()
+# The ops handled before the general path (NOTE [dispatch], 1), by kernel: ``op._op``, which
+# an ``OpOverload`` hashes as (in Python: looking the kernel up directly skips that call on
+# every dispatched op).
 _special: dict[Any, Callable[..., Any]] = {}
 
 
 def special(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
-            _special[op] = fn
+            _special[op._op] = fn
         return fn
 
     return register
@@ -104,7 +107,7 @@ class OpDispatcher:
         self.fast.clear()
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        handler = _special.get(func)
+        handler = _special.get(func._op)
         if handler is not None:
             out = handler(func, args, kwargs)
             if out is not NotImplemented:  # NotImplemented: the general path below

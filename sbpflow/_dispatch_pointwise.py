@@ -36,7 +36,7 @@ import torch
 from . import _global
 from ._bounded import BoundedDict
 from ._decisions import FOLLOWING
-from ._view_writes import may_hold_a_copy, refuse_detached_view_writes
+from ._view_writes import holds_copy, refuse_detached_view_writes
 
 __all__ = ["SAME_LAYOUT_OPS", "same_layout"]
 
@@ -63,42 +63,51 @@ SAME_LAYOUT_OPS: dict[Any, bool] = {
     ),
 }  # fmt: skip
 _SCALAR_KWARGS = frozenset({"alpha", "value", "non_blocking"})
-_NUMBERS = (float, int, bool)
+_NUMBERS = frozenset({float, int, bool})
+# The kernels (``op._op``, hashed in C where an OpOverload hashes in Python) of the ops that
+# write their first argument.
+_IN_PLACE_KERNELS = frozenset(op._op for op, in_place in SAME_LAYOUT_OPS.items() if in_place)
 
 # Meta -> _NO (floating with no partial axis: no), _IN_PLACE_ONLY (yes, strided) or _ANY
 # (yes, contiguous). Metas are interned and compared by identity (NOTE [bounded caches]).
 _NO, _IN_PLACE_ONLY, _ANY = 0, 1, 2
 QUALIFIES_BOUND = 4096
 _qualifies: BoundedDict[Any, int] = BoundedDict("same-layout pointwise metas", QUALIFIES_BOUND)
+_following = FOLLOWING.get
+_grad_enabled = torch.is_grad_enabled
 
 
 def _kind(meta: Any) -> int:
-    found = _qualifies.get(meta)
-    if found is None:
-        symbolic = any(type(n) is not int for n in (*meta.shape, *meta.strides))
-        if symbolic or not meta.dtype.is_floating_point or meta.layout.has_partial:
-            found = _NO
-        elif meta.strides == _global._contiguous_strides(meta.shape):
-            found = _ANY
-        else:
-            found = _IN_PLACE_ONLY
-        _qualifies[meta] = found
+    """What ``_qualifies`` holds for ``meta``, computed and stored (its miss)."""
+    symbolic = any(type(n) is not int for n in (*meta.shape, *meta.strides))
+    if symbolic or not meta.dtype.is_floating_point or meta.layout.has_partial:
+        found = _NO
+    elif meta.strides == _global._contiguous_strides(meta.shape):
+        found = _ANY
+    else:
+        found = _IN_PLACE_ONLY
+    _qualifies[meta] = found
     return found
 
 
 def same_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on the pieces when its operands share one layout (NOTE [same-layout
-    pointwise]); NotImplemented otherwise."""
-    first = args[0] if args else None
+    pointwise]); NotImplemented otherwise.
+
+    It runs for every op of an optimizer's loop, so each check is spelled out here, inline,
+    cheapest first: no call that is not needed (each costs as much as a check)."""
     gt = _global.GlobalTensor
+    first = args[0] if args else None
     if not isinstance(first, gt):
         return NotImplemented
     meta = first._meta
-    kind = _kind(meta)
-    in_place = SAME_LAYOUT_OPS[func]
-    if kind == _NO or (kind == _IN_PLACE_ONLY and not in_place) or FOLLOWING.get() is not None:
+    kind = _qualifies.get(meta)
+    if kind is None:
+        kind = _kind(meta)
+    in_place = func._op in _IN_PLACE_KERNELS
+    if kind == _NO or (kind == _IN_PLACE_ONLY and not in_place) or _following() is not None:
         return NotImplemented
-    recording = torch.is_grad_enabled()
+    recording = _grad_enabled()
     if recording and first.requires_grad:
         return NotImplemented
     local_args = [first._local]
@@ -113,15 +122,16 @@ def same_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
             local_args.append(a)
         else:
             return NotImplemented
-    for name, value in kwargs.items():
-        if name not in _SCALAR_KWARGS or type(value) not in _NUMBERS:
-            return NotImplemented
-    if in_place:
-        if may_hold_a_copy(first):
-            refuse_detached_view_writes(func, args, kwargs)  # NOTE [view writes]
-        func._op(*local_args, **kwargs)
-        return first
-    return _global.wrap(func._op(*local_args, **kwargs), meta)
+    if kwargs:
+        for name, value in kwargs.items():
+            if name not in _SCALAR_KWARGS or type(value) not in _NUMBERS:
+                return NotImplemented
+    if not in_place:
+        return _global.wrap(func._op(*local_args, **kwargs), meta)
+    if first._is_view() or holds_copy(first):  # may hold a copy (NOTE [view writes])
+        refuse_detached_view_writes(func, args, kwargs)
+    func._op(*local_args, **kwargs)
+    return first
 
 
 def _equal(a: Any, b: Any) -> bool:

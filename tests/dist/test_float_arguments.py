@@ -102,7 +102,7 @@ def _adam_with_changing_lr() -> list[Any]:
 
     per_step, full_per_step = [], []
     propagator.decide = counting  # type: ignore[method-assign]
-    set_aside = {op: _dispatch._special.pop(op) for op in _dispatch.SAME_LAYOUT_OPS}
+    set_aside = {op._op: _dispatch._special.pop(op._op) for op in _dispatch.SAME_LAYOUT_OPS}
     try:
         for step in range(5):
             before, full_before = decided, full_path
