@@ -200,6 +200,12 @@ class Prices:
             self._boxing[key] = found
         return found
 
+    def collectives(
+        self, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp
+    ) -> int:
+        """Collectives the cheapest boxing ``src -> dst`` runs (its communicating steps)."""
+        return sum(1 for step in self.boxing(shape, dtype, src, dst)[1] if step.is_collective)
+
     def _step_extra(self, axes: tuple[int, ...]) -> float:
         """What a boxing step costs beside its cost model's price: issuing it eagerly, and
         for a collective over ``axes`` waiting for the group's slowest rank, ``ceil(log2 p)``
