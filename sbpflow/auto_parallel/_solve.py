@@ -66,6 +66,8 @@
 # program's linear relaxation exceeds the band (``bound - relaxation``) is fixed to 0: no
 # plan within the band can take it, and the second program, a count under a time bound, is
 # otherwise far slower to solve (163 s against 10 s for the small Llama on a 2x2 mesh).
+# Over ``NEAR_TIE_MAX_OPS`` captured ops the second solve is skipped: for Llama-7B on an
+# 8x8 mesh it still took 150-340 s, against 15 s for the first.
 # bench/auto_parallel's Llama on 2 ranks, its batch broadcast: the fastest plan split the
 # head by vocabulary, adding the all_reduce of the head's input gradient (17 collectives a
 # step, against torchtitan's decoder layout's 16) for a step predicted 1.7% shorter, and
@@ -102,6 +104,9 @@ _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plan
 # plans predicted within this share of the fastest step are near ties, the fewest
 # collectives first (NOTE [fewer collectives among near ties])
 NEAR_TIE = 0.02
+# captured ops above which the near-tie solve is skipped (the fastest plan kept): HiGHS took
+# 150-340 s over it for Llama-7B on an 8x8 mesh (2,425 ops), against 15 s for the fastest
+NEAR_TIE_MAX_OPS = 1000
 
 # the bucketed all_reduces of a parameter gradient boxing: axes, bytes per rank in all, the
 # parameter (representative) and the bytes of one member's gradient
@@ -598,7 +603,12 @@ def solve(
     integrality = np.asarray(program.integer)
     options = {"mip_rel_gap": 0.0, "presolve": True}
 
-    def run(c: np.ndarray, extra: list[LinearConstraint], upper: np.ndarray | None = None) -> Any:
+    def run(
+        c: np.ndarray,
+        extra: list[LinearConstraint],
+        upper: np.ndarray | None = None,
+        gap: float = 0.0,
+    ) -> Any:
         bounds = Bounds(np.zeros(num_vars), np.ones(num_vars) if upper is None else upper)
         while True:
             result = milp(
@@ -606,7 +616,7 @@ def solve(
                 integrality=integrality,
                 bounds=bounds,
                 constraints=constraints + extra,
-                options=options,
+                options={**options, "mip_rel_gap": gap},
             )
             if result.x is None or not program.buckets:
                 return result
@@ -630,7 +640,8 @@ def solve(
     start = time.perf_counter()
     result = run(c, [])
     near = NEAR_TIE if near is None else near
-    if objective == "time" and near > 0 and result.x is not None:
+    num_ops = sum(1 for node in graph.nodes if node.kind == "op")
+    if objective == "time" and near > 0 and result.x is not None and num_ops <= NEAR_TIE_MAX_OPS:
         # NOTE [fewer collectives among near ties]
         c_count = np.asarray(program.count)
         bound = float(step_ms @ result.x) * (1.0 + near)
@@ -649,10 +660,15 @@ def solve(
         if lp.status == 0:
             slack = bound - lp.fun + 1e-6 * bound
             upper[np.asarray(lp.lower.marginals) > slack] = 0.0
+        # the count plus the step scaled to half a collective across the band: a gap of a
+        # quarter of a collective still finds the fewest collectives
+        scale = 0.5 / (bound - bound / (1.0 + near))
+        most = float(c_count @ np.round(result.x)) + scale * bound
         fewer = run(
-            c_count + 0.5 * step_ms / (bound - bound / (1.0 + near)) + c_ties,
+            c_count + scale * step_ms + c_ties,
             [LinearConstraint(step_ms.reshape(1, -1), -np.inf, bound)],
             upper,
+            gap=0.25 / most,
         )
         if fewer.x is not None and c_count @ np.round(fewer.x) < c_count @ np.round(result.x) - 0.5:
             result = fewer
