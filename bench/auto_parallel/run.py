@@ -4,8 +4,8 @@ One run spawns 2 gloo ranks on this machine (4 for the 2x2 mesh). Every rank pla
 (default prices, AdamW state counted) and trains with AdamW, one step at a time
 (zero_grad, forward, mean-square loss of the output, backward, optimizer.step). Just before
 and just after each case's steps it measures the machine's prices
-(``sbpflow.boxing.calibrate`` for the collectives, ``calibrate_compute`` for compute; rank
-0's numbers shared); the predicted step is the plan's strategies priced with each
+(``sbpflow.boxing.calibrate`` for the collectives, ``calibrate_compute`` for compute and
+the wait per collective beyond the collectives' measured prices; rank 0's numbers shared); the predicted step is the plan's strategies priced with each
 (``sbpflow.auto_parallel.reprice``), averaged. Four comparisons, each its variants interleaved:
 
 - ``mlp``: bench/tp's 4 residual blocks ``x + down(GELU(up(LayerNorm(x))))`` (256 -> 1024 ->
@@ -276,7 +276,9 @@ def _calibrated(placement: Any, clock: str = "wall") -> tuple[Any, Any]:
         time.perf_counter = time.process_time  # type: ignore[assignment]
     try:
         collectives = sbpflow.boxing.calibrate(placement, sizes=CALIBRATION_SIZES, save=False)
-        compute = calibrate_compute(placement, repeats=11 if clock == "cpu" else 5)
+        compute = calibrate_compute(
+            placement, repeats=11 if clock == "cpu" else 5, cost_model=collectives.model
+        )
     finally:
         time.perf_counter = wall  # type: ignore[assignment]
     cost.reset()

@@ -13,16 +13,27 @@
 # (NOTE [default prices]: each captured op once forward and once backward), so a plan priced
 # with the result pays for a step what the tiny model paid per op. An AdamW step on the tiny
 # model's parameters, divided by the ops it is priced for, gives the seconds per update op
-# (tiny tensors: its bytes do not count). A partial sum of 16 floats boxed to broadcast,
-# less a bare all_reduce of them, gives the eager work of a boxing step beside its
-# collective (planning, layout checks, copies: several times an op's). The bare all_reduce
-# itself, per latency round (``ceil(log2 p)`` on the placement's ``p`` ranks), gives
-# ``collective_seconds``, the wait per round of a collective (NOTE [default prices]): the
-# wait inside a step, for ranks that reach a collective apart, cannot be timed outside one,
-# so a bare collective's time stands for it (on the busy 2-core test host of the same order
-# as the CPU default). Where the placement is one rank or not the whole world (no bare group
-# to time), the boxing step's eager work is left to ``op_seconds`` and the wait to the
-# device's default (``ComputeModel.default``). Each rate is the
+# (tiny tensors: its bytes do not count).
+#
+# The collectives are timed where a plan runs them: on the groups along each mesh axis
+# (every group at once, as a boxing step runs), not over the whole placement. Per axis, a
+# tensor of 16 floats partial on that axis boxed to broadcast, less a bare all_reduce of
+# them on the axis's group, gives the eager work of a boxing step beside its collective
+# (planning, layout checks, copies: several times an op's); the bare all_reduce, less what
+# ``cost_model`` (the collectives' prices the plan is priced with; default:
+# ``CostModel.default``) prices it at, per latency round (``ceil(log2 p)`` on the axis's
+# ``p`` ranks), gives ``collective_seconds``, the wait per round of a collective (NOTE
+# [default prices]). Each is averaged over the axes. The wait inside a step, for ranks that
+# reach a collective apart, cannot be timed outside one, so a bare collective's time beyond
+# its price stands for it: its price is charged already, and an alpha-beta fit measured as
+# ``sbpflow.boxing.calibrate`` does times the same bare collectives, so counting the whole
+# bare time again doubled it. On the 2-core test host with 4 ranks (a 2x2 mesh), a bare
+# all_reduce over all 4 took 7.3 ms, on an axis's 2 ranks 1.1-2.7 ms, and the calibrated
+# fit priced the latter at 3.0 ms: the wait counted whole and over 4 ranks added 4.5 ms to
+# each collective, and bench/auto_parallel's 2x2 predictions came out 1.3-2.5x the step.
+# Where the placement is one rank or not the whole world (no bare group to time), the
+# boxing step's eager work is left to ``op_seconds`` and the wait to the device's default
+# (``ComputeModel.default``). Each rate is the
 # median of ``repeats`` timings: the step it predicts is timed as a median too, and on a
 # shared machine the best of a few runs catches moments the step never sees. In a job, rank
 # 0's numbers are broadcast so every rank plans with identical constants (ranks planning
@@ -39,7 +50,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..boxing.cost import CostModel, backend_for
 from ..comm._bench import broadcast_from_first
+from ..comm._groups import group_of
 from ..placement import Placement
 from ..sbp import broadcast, partial_sum
 from ._capture import Node, capture
@@ -74,12 +87,18 @@ def _ops(model: torch.nn.Module, batch: torch.Tensor) -> list[Node]:
     return [node for node in capture(model, (batch,)).nodes if node.kind == "op"]
 
 
-def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel:
+def calibrate_compute(
+    placement: Placement, *, repeats: int = 5, cost_model: CostModel | None = None
+) -> ComputeModel:
     """Time this machine's compute on ``placement``'s device type; returns a ComputeModel.
 
     Pass the result as ``auto_parallel(..., compute_model=...)``. Call it on every rank of
     the job where the world is initialized (rank 0's numbers are broadcast: a collective),
     with the thread count the job trains with. ``repeats``: timings per rate, median kept.
+    ``cost_model``: the collectives' prices the plan is priced with (e.g.
+    ``sbpflow.boxing.calibrate(...).model``; default ``CostModel.default``): the wait per
+    collective is what a bare collective takes beyond its price there (NOTE [calibrated
+    compute]).
     """
     if not isinstance(placement, Placement):
         raise TypeError(
@@ -88,6 +107,12 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}.")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(
+            f"cost_model must be a sbpflow.boxing.cost.CostModel or None, got "
+            f"{type(cost_model).__name__}: {cost_model!r}; e.g. "
+            "sbpflow.boxing.calibrate(placement, save=False).model."
+        )
     device_type = placement.type
     if device_type not in _SIZES:
         raise ValueError(
@@ -117,7 +142,9 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
     update_op = _median(update.step, repeats, device) / num_updates
     values = [2.0 * n**3 / mm, 3.0 * numel * x.element_size() / add, op, update_op]
     joined = dist.is_available() and dist.is_initialized()
-    boxing = _boxing_op(placement, repeats, device) if joined else None
+    if cost_model is None:
+        cost_model = CostModel.default(backend_for(device_type))
+    boxing = _boxing_op(placement, repeats, device, cost_model) if joined else None
     values += [-1.0, -1.0] if boxing is None else list(boxing)
     if joined:
         values = broadcast_from_first(values, device_type)
@@ -132,23 +159,39 @@ def calibrate_compute(placement: Placement, *, repeats: int = 5) -> ComputeModel
 
 
 def _boxing_op(
-    placement: Placement, repeats: int, device: torch.device
+    placement: Placement, repeats: int, device: torch.device, cost_model: CostModel
 ) -> tuple[float, float] | None:
-    """Eager seconds of one boxing step beside its collective, a partial sum of 16 floats
-    boxed to broadcast (one all_reduce over the placement) less a bare all_reduce of them,
-    and the wait per latency round of a collective: the bare all_reduce over its rounds
+    """Eager seconds of one boxing step beside its collective and the wait per latency
+    round of a collective, timed on each mesh axis's groups and averaged over the axes
     (NOTE [calibrated compute]). ``None`` where the placement is one rank or not the whole
     world (no bare group to compare with)."""
     if placement.num_ranks == 1 or placement.num_ranks != dist.get_world_size():
         return None
-    # partial on every axis: one all_reduce over the whole placement
-    partial = torch.ones(16, device=device).to_global(placement, (partial_sum,) * placement.ndim)
-    bare = torch.ones(16, device=device)
     whole = (broadcast,) * placement.ndim
-    boxed = _median(lambda: partial.to_global(sbp=whole), repeats, device)
-    raw = _median(lambda: dist.all_reduce(bare), repeats, device)
-    rounds = (placement.num_ranks - 1).bit_length()
-    return max(boxed - raw, 0.0), raw / rounds
+    bare = torch.ones(16, device=device)
+    eager, waits = [], []
+    for axis, num_ranks in enumerate(placement.shape):
+        if num_ranks == 1:
+            continue
+        found = group_of(placement.type, placement.groups_along([axis]), dist.get_rank())
+        assert found is not None  # every rank of the world is in the placement
+        group = found[1]
+        layout = tuple(partial_sum if a == axis else broadcast for a in range(placement.ndim))
+        partial = torch.ones(16, device=device).to_global(placement, layout)
+        boxed = _median(lambda p=partial: p.to_global(sbp=whole), repeats, device)
+        raw = _median(lambda g=group: dist.all_reduce(bare, group=g), repeats, device)
+        eager.append(max(boxed - raw, 0.0))
+        price = cost_model.all_reduce(num_ranks, bare.numel() * bare.element_size())
+        waits.append(collective_wait(raw, price, num_ranks))
+    return statistics.mean(eager), statistics.mean(waits)
+
+
+def collective_wait(bare_seconds: float, price_seconds: float, num_ranks: int) -> float:
+    """The wait per latency round of a collective on ``num_ranks`` ranks: what a bare one
+    took beyond the price its cost model charges for it, over its ``ceil(log2 p)`` rounds
+    (NOTE [calibrated compute])."""
+    rounds = max((num_ranks - 1).bit_length(), 1)
+    return max(bare_seconds - price_seconds, 0.0) / rounds
 
 
 def _device(placement: Placement) -> torch.device:

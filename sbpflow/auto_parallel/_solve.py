@@ -50,6 +50,28 @@
 # sequence-parallel variant (a reduce_scatter and an all_gather instead, the norms and
 # residual adds on half the rows), which the alpha-beta prices alone put 0.1% ahead and which
 # measured 1.19x slower on the busy test host.
+#
+# NOTE [fewer collectives among near ties]
+# The prices are round constants (NOTE [default prices] in _costs.py): they do not resolve
+# two plans whose predicted steps are within ``NEAR_TIE`` (2%) of each other, and a plan
+# meant to run on any machine should not bet collectives on such a margin (each is a point
+# where every rank of its group waits for the slowest, which the prices only estimate).
+# So the fastest step T is found first, then among the plans predicted within
+# ``(1 + NEAR_TIE) * T`` the one with the fewest collectives per step (and among those the
+# fastest: the time, scaled to under one collective across the band, is added to the
+# count), which is kept where it runs fewer collectives than the fastest. A collective is
+# each communicating boxing step, the bucketed all_reduces of parameter gradients counted as
+# the one or two buckets the program charges (NOTE [bucketed gradients in the search] in
+# _costs.py). Before that second solve, every column whose reduced cost in the first
+# program's linear relaxation exceeds the band (``bound - relaxation``) is fixed to 0: no
+# plan within the band can take it, and the second program, a count under a time bound, is
+# otherwise far slower to solve (163 s against 10 s for the small Llama on a 2x2 mesh).
+# Over ``NEAR_TIE_MAX_OPS`` captured ops the second solve is skipped: for Llama-7B on an
+# 8x8 mesh it still took 150-340 s, against 15 s for the first.
+# bench/auto_parallel's Llama on 2 ranks, its batch broadcast: the fastest plan split the
+# head by vocabulary, adding the all_reduce of the head's input gradient (17 collectives a
+# step, against torchtitan's decoder layout's 16) for a step predicted 1.7% shorter, and
+# measured no faster on the test host in CPU time; the plan is now that layout, 16.
 """
 
 from __future__ import annotations
@@ -58,6 +80,7 @@ import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,12 +95,19 @@ __all__ = [
     "Problem",
     "Solution",
     "node_bytes",
+    "output_collectives",
     "output_seconds",
     "shared",
     "solve",
 ]
 
 _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
+# plans predicted within this share of the fastest step are near ties, the fewest
+# collectives first (NOTE [fewer collectives among near ties])
+NEAR_TIE = 0.02
+# captured ops above which the near-tie solve is skipped (the fastest plan kept): HiGHS took
+# 150-340 s over it for Llama-7B on an 8x8 mesh (2,425 ops), against 15 s for the fastest
+NEAR_TIE_MAX_OPS = 1000
 
 # the bucketed all_reduces of a parameter gradient boxing: axes, bytes per rank in all, the
 # parameter (representative) and the bytes of one member's gradient
@@ -152,6 +182,19 @@ def output_seconds(
     return best
 
 
+def output_collectives(
+    graph: Graph, prices: Prices, output: tuple[int, int], layout: NdSbp, needs: NdSbp
+) -> int:
+    """Collectives of handing an output to the loss as ``output_seconds`` does."""
+    node = graph.nodes[output[0]]
+    shape, dtype = node.out_shapes[output[1]], node.out_dtypes[output[1]]
+    target = output_seconds(graph, prices, output, layout, needs)[1]
+    ran = prices.collectives(shape, dtype, layout, target)
+    if node.requires_grad:
+        ran += prices.collectives(shape, dtype, target, needs)
+    return ran
+
+
 def shared(graph: Graph, reps: list[int]) -> set[tuple[int, int]]:
     """Outputs (of representatives) read by several ops.
 
@@ -209,6 +252,8 @@ class _Program:
         # read whole saves of it (NOTE [the update in the search])
         self.update: list[float] = []
         self.tie_break: list[float] = []
+        # collectives per step each column runs (NOTE [fewer collectives among near ties])
+        self.count: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[list[int], list[float], float]] = []
         # rows >= 0 (the peak memory's, NOTE [peak memory] in _peak.py), and the continuous
@@ -223,11 +268,17 @@ class _Program:
         # over one-hot groups of each group's most
         self.bucket_bound: Counter[tuple[int, ...]] = Counter()
 
-    def choice(self, costs: list[float], update: list[float] | None = None) -> int:
+    def choice(
+        self,
+        costs: list[float],
+        update: list[float] | None = None,
+        count: list[float] | None = None,
+    ) -> int:
         """A one-hot choice among ``len(costs)`` options; returns its first column."""
         first = len(self.cost)
         self.cost += costs
         self.update += update or [0.0] * len(costs)
+        self.count += count or [0.0] * len(costs)
         self.tie_break += [_TIE_BREAK * s for s in range(len(costs))]
         self.integer += [1] * len(costs)
         cols = list(range(first, first + len(costs)))
@@ -238,6 +289,7 @@ class _Program:
         """A continuous column >= 0 with no upper bound, free in the objective."""
         self.cost.append(0.0)
         self.update.append(0.0)
+        self.count.append(0.0)
         self.tie_break.append(0.0)
         self.integer.append(0)
         self.unbounded.append(len(self.cost) - 1)
@@ -258,14 +310,17 @@ class _Program:
         table: dict[tuple[object, object], float],
         buckets: dict[tuple[object, object], tuple[_Mark, ...]] | None = None,
         update: dict[tuple[object, object], float] | None = None,
+        count: dict[tuple[object, object], float] | None = None,
     ) -> None:
-        """Add ``table[a, b]`` seconds (and ``update[a, b]`` seconds of the optimizer's
-        update) when the left choice is in group a and the right in group b (and mark it as
-        running the parameter gradient all_reduces ``buckets[a, b]``: axes, bytes,
-        parameter and one member's bytes)."""
+        """Add ``table[a, b]`` seconds (``update[a, b]`` seconds of the optimizer's update,
+        ``count[a, b]`` collectives) when the left choice is in group a and the right in
+        group b (and mark it as running the parameter gradient all_reduces
+        ``buckets[a, b]``: axes, bytes, parameter and one member's bytes)."""
         buckets = buckets or {}
         update = update or {}
+        count = count or {}
         if not any(table.values()) and not any(buckets.values()) and not any(update.values()):
+            assert not any(count.values())  # a collective always costs seconds
             return
         most: dict[tuple[int, ...], float] = {}
         for marks in buckets.values():
@@ -277,6 +332,7 @@ class _Program:
                 for col in right[b] if len(left) == 1 else left[a]:
                     self.cost[col] += c
                     self.update[col] += update.get((a, b), 0.0)
+                    self.count[col] += count.get((a, b), 0.0)
                     self.buckets += [(col, *mark) for mark in buckets.get((a, b), ())]
             return
         index = {}
@@ -285,6 +341,7 @@ class _Program:
             self.buckets += [(index[key], *mark) for mark in buckets.get(key, ())]
             self.cost.append(c)
             self.update.append(update.get(key, 0.0))
+            self.count.append(count.get(key, 0.0))
             self.tie_break.append(0.0)
             self.integer.append(0)
         for a, cols in left.items():
@@ -318,35 +375,59 @@ def _priced(
     }
 
 
-def solve(problem: Problem, budget: float | None, objective: str = "time") -> Solution | None:
+def _counted(
+    prices: Prices,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    count: int,
+    left: dict[object, list[int]],
+    right: dict[object, list[int]],
+) -> dict[tuple[object, object], float]:
+    """Collectives of boxing each left layout to each right one, ``count`` times."""
+    return {
+        (a, b): count * prices.collectives(shape, dtype, a, b)  # type: ignore[arg-type]
+        for a in left
+        for b in right
+    }
+
+
+def solve(
+    problem: Problem, budget: float | None, objective: str = "time", near: float | None = None
+) -> Solution | None:
     """Solve the program; ``None`` when no plan fits ``budget``.
 
     ``objective="time"``: the fastest predicted step, the optimizer's update included
-    (NOTE [the update in the search]); ``objective="memory"`` minimises the bytes per rank
-    instead (the smallest footprint).
+    (NOTE [the update in the search]), or the plan with the fewest collectives within
+    ``near`` (default ``NEAR_TIE``; 0: the fastest) of it (NOTE [fewer collectives among
+    near ties]); ``objective="memory"`` minimises the bytes per rank instead (the smallest
+    footprint).
     """
     import numpy as np  # imported when planning: import sbpflow needs neither
     from scipy import sparse
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
     graph, prices, reps = problem.graph, problem.prices, problem.reps
     counts = Counter(reps)
 
     def gradient(
         u: int, shape: tuple[int, ...], dtype: torch.dtype, src: NdSbp, dst: NdSbp, times: int
-    ) -> tuple[float, tuple[_Mark, ...]]:
-        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, and the marks of
-        its all_reduces the buckets run (a parameter's), ``times`` times."""
+    ) -> tuple[float, tuple[_Mark, ...], float]:
+        """Seconds of boxing the gradient of ``u`` into ``u``'s own layout, the marks of its
+        all_reduces the buckets run (a parameter's) and the collectives it runs alone,
+        ``times`` times."""
+        seconds, steps = prices.boxing(shape, dtype, src, dst)
         if graph.nodes[u].kind != "param":
-            return times * prices.boxing(shape, dtype, src, dst)[0], ()
+            return times * seconds, (), times * prices.collectives(shape, dtype, src, dst)
         seconds, _ = prices.gradient_boxing(shape, dtype, src, dst)
         one = prices.gradient_bytes(shape, dtype, dst)
+        bucketed = [bool(prices.bucket_discount(step, dst, one)) for step in steps]
         marks = tuple(
-            (step.axes, times * one, u, one)
-            for step in prices.boxing(shape, dtype, src, dst)[1]
-            if prices.bucket_discount(step, dst, one)
+            (step.axes, times * one, u, one) for step, b in zip(steps, bucketed, strict=True) if b
         )
-        return times * seconds, marks
+        alone = sum(
+            1 for step, b in zip(steps, bucketed, strict=True) if step.is_collective and not b
+        )
+        return times * seconds, marks, float(times * alone)
 
     program = _Program()
     offset: dict[int, int] = {}
@@ -354,14 +435,18 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         node = graph.nodes[rep]
         options = problem.choices[rep]
         costs = [counts[rep] * prices.compute_seconds(node, s) for s in options]
+        ran = [0.0] * len(options)
         for output in graph.outputs:
             if reps[output[0]] == rep:
                 for k, s in enumerate(options):
                     o = output[1]
                     seconds, _ = output_seconds(graph, prices, output, s.outputs[o], s.out_grads[o])
                     costs[k] += seconds
+                    ran[k] += output_collectives(
+                        graph, prices, output, s.outputs[o], s.out_grads[o]
+                    )
         update = [counts[rep] * prices.optimizer_seconds(node, s) for s in options]
-        offset[rep] = program.choice(costs, update)
+        offset[rep] = program.choice(costs, update, ran)
 
     def producer_groups(u: int, o: int) -> dict[object, list[int]]:
         return _groups(offset[u], [(s.outputs[o], s.out_grads[o]) for s in problem.choices[u]])
@@ -399,6 +484,10 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             left,
             right,
             {(a, f): counts[u] * prices.boxing(shape, dtype, a[0], f)[0] for a, f in pairs},  # type: ignore[index]
+            count={
+                (a, f): counts[u] * prices.collectives(shape, dtype, a[0], f)  # type: ignore[index]
+                for a, f in pairs
+            },
             update=None
             if param is None
             else {
@@ -419,8 +508,9 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         program.pair(
             left,
             right,
-            {key: seconds for key, (seconds, _) in found.items()},
-            {key: marks for key, (_, marks) in found.items()},
+            {key: seconds for key, (seconds, _, _) in found.items()},
+            {key: marks for key, (_, marks, _) in found.items()},
+            count={key: ran for key, (_, _, ran) in found.items()},
         )
 
     # edges, merged per (producer class, output, consumer class, input)
@@ -436,28 +526,39 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         if (u, o) in many:
             left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
             right = _groups(offset[v], [s.inputs[i] for s in consumer])
-            program.pair(left, right, _priced(prices, shape, dtype, count, left, right))
+            program.pair(
+                left,
+                right,
+                _priced(prices, shape, dtype, count, left, right),
+                count=_counted(prices, shape, dtype, count, left, right),
+            )
             if (u, o) not in candidates:
                 continue
             grads = _groups(offset[v], [s.grads[i] for s in consumer])
             sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
-            program.pair(grads, sums_right, _priced(prices, shape, dtype, count, grads, sums_right))
+            program.pair(
+                grads,
+                sums_right,
+                _priced(prices, shape, dtype, count, grads, sums_right),
+                count=_counted(prices, shape, dtype, count, grads, sums_right),
+            )
             continue
         left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
-        table, marks, update = {}, {}, {}
+        table, marks, update, ran = {}, {}, {}, {}
         param = _stored(graph, u)
         for a in left:
             for b in right:
                 forward = prices.boxing(shape, dtype, a[0], b[0])[0]  # type: ignore[index]
-                backward: tuple[float, tuple[_Mark, ...]] = (0.0, ())
+                backward: tuple[float, tuple[_Mark, ...], float] = (0.0, (), 0.0)
                 if _needs_grad(graph, u, o):
                     backward = gradient(u, shape, dtype, b[1], a[1], count)  # type: ignore[index]
                 table[(a, b)] = count * forward + backward[0]
                 marks[(a, b)] = backward[1]
+                ran[(a, b)] = count * prices.collectives(shape, dtype, a[0], b[0]) + backward[2]  # type: ignore[index]
                 if param is not None:
                     update[(a, b)] = count * prices.stored_split_seconds(param, a[0], b[0])  # type: ignore[index]
-        program.pair(left, right, table, marks, update)
+        program.pair(left, right, table, marks, update, ran)
 
     # one bucket's fixed cost per set of axes parameter gradients are all-reduced over, and
     # another where they overflow the small first bucket (NOTE [bucketed gradients in the
@@ -469,6 +570,7 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
             columns[axes] = len(program.cost)
             program.cost.append(prices.bucket_fixed_seconds(axes))
             program.update.append(0.0)
+            program.count.append(1.0)
             program.tie_break.append(0.0)
             program.integer.append(1)
 
@@ -532,28 +634,77 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         if budget is not None and objective == "time":
             bounds.ub[peak] = float(budget) / MIB
     options = {"mip_rel_gap": 0.0, "presolve": True}
+
+    def run(
+        c: np.ndarray,
+        extra: list[LinearConstraint],
+        upper: np.ndarray | None = None,
+        gap: float = 0.0,
+    ) -> Any:
+        limits = Bounds(bounds.lb.copy(), bounds.ub if upper is None else upper)
+        while True:
+            result = milp(
+                c,
+                integrality=integrality,
+                bounds=limits,
+                constraints=constraints + extra,
+                options={**options, "mip_rel_gap": gap},
+            )
+            if result.x is None or not program.buckets:
+                return result
+            # A second bucket's binary takes up a few bytes over the first bucket for each
+            # unit of the solver's integrality tolerance times its big coefficient: where the
+            # gradients overflow the first bucket by so few, the solver keeps it at ~0. Such
+            # sets of axes pay their second bucket, solved again.
+            chosen_x = np.round(result.x)
+            over = [
+                second_columns[axes]
+                for r, axes in enumerate(order)
+                if chosen_x[second_columns[axes]] == 0 and (overflow[r] @ chosen_x)[0] > below
+            ]
+            if not over:
+                return result
+            limits.lb[over] = 1.0
+
     # scaled to milliseconds / MiB so HiGHS' tolerances see numbers near one
-    c = (c_time + c_update + c_ties) * 1e3 if objective == "time" else c_memory + c_ties
+    step_ms = (c_time + c_update) * 1e3
+    c = step_ms + c_ties * 1e3 if objective == "time" else c_memory + c_ties
     start = time.perf_counter()
-    while True:
-        result = milp(
-            c, integrality=integrality, bounds=bounds, constraints=constraints, options=options
+    result = run(c, [])
+    near = NEAR_TIE if near is None else near
+    num_ops = sum(1 for node in graph.nodes if node.kind == "op")
+    if objective == "time" and near > 0 and result.x is not None and num_ops <= NEAR_TIE_MAX_OPS:
+        # NOTE [fewer collectives among near ties]
+        c_count = np.asarray(program.count)
+        bound = float(step_ms @ result.x) * (1.0 + near)
+        # a column whose reduced cost in the relaxation takes the step past the bound is 0
+        # in every plan within it
+        a_ub, b_ub = _as_upper_bounds(constraints[1:])
+        lp = linprog(
+            step_ms,
+            A_ub=a_ub,
+            b_ub=b_ub,
+            A_eq=matrix,
+            b_eq=rhs,
+            bounds=[(0.0, None if np.isinf(hi) else hi) for hi in bounds.ub],
+            method="highs",
         )
-        if result.x is None or not program.buckets:
-            break
-        # A second bucket's binary takes up a few bytes over the first bucket for each unit
-        # of the solver's integrality tolerance times its big coefficient: where the
-        # gradients overflow the first bucket by so few, the solver keeps it at ~0. Such
-        # sets of axes pay their second bucket, solved again.
-        chosen_x = np.round(result.x)
-        over = [
-            second_columns[axes]
-            for r, axes in enumerate(order)
-            if chosen_x[second_columns[axes]] == 0 and (overflow[r] @ chosen_x)[0] > below
-        ]
-        if not over:
-            break
-        bounds.lb[over] = 1.0
+        upper = bounds.ub.copy()
+        if lp.status == 0:
+            slack = bound - lp.fun + 1e-6 * bound
+            upper[np.asarray(lp.lower.marginals) > slack] = 0.0
+        # the count plus the step scaled to half a collective across the band: a gap of a
+        # quarter of a collective still finds the fewest collectives
+        scale = 0.5 / (bound - bound / (1.0 + near))
+        most = float(c_count @ np.round(result.x)) + scale * bound
+        fewer = run(
+            c_count + scale * step_ms + c_ties,
+            [LinearConstraint(step_ms.reshape(1, -1), -np.inf, bound)],
+            upper,
+            gap=0.25 / most,
+        )
+        if fewer.x is not None and c_count @ np.round(fewer.x) < c_count @ np.round(result.x) - 0.5:
+            result = fewer
     elapsed = time.perf_counter() - start
     if result.x is None:
         if result.status == 2:  # infeasible
@@ -579,3 +730,23 @@ def solve(problem: Problem, budget: float | None, objective: str = "time") -> So
         solve_seconds=elapsed,
         bucket_last=last,
     )
+
+
+def _as_upper_bounds(constraints: list[Any]) -> tuple[Any, Any]:
+    """``constraints`` as ``linprog``'s ``A_ub x <= b_ub`` (a lower bound as its negation);
+    ``(None, None)`` where there are none."""
+    import numpy as np
+    from scipy import sparse
+
+    blocks, limits = [], []
+    for k in constraints:
+        a = sparse.csr_matrix(k.A)
+        for side, sign in ((k.ub, 1.0), (k.lb, -1.0)):
+            values = np.broadcast_to(np.asarray(side, dtype=float), (a.shape[0],))
+            finite = np.flatnonzero(np.isfinite(values))
+            if finite.size:
+                blocks.append(sign * a[finite])
+                limits.append(sign * values[finite])
+    if not blocks:
+        return None, None
+    return sparse.vstack(blocks), np.concatenate(limits)

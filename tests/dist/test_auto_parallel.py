@@ -290,20 +290,28 @@ def test_a_tensor_written_between_planned_ops_is_boxed_afresh() -> None:
 
 def calibrate_job() -> dict[str, float]:
     from sbpflow.auto_parallel import calibrate_compute
+    from sbpflow.boxing.cost import CostModel, LinkCost
 
-    measured = calibrate_compute(sbpflow.placement("cpu", [0, 1]), repeats=3)
+    placement = sbpflow.placement("cpu", [0, 1])
+    measured = calibrate_compute(placement, repeats=3)
+    # a cost model pricing every collective at a second or more: no bare all_reduce of 16
+    # floats takes longer, so none waited beyond its price
+    slow = calibrate_compute(placement, repeats=3, cost_model=CostModel(LinkCost(1.0, 1e9)))
     return {
         "collective_seconds": measured.collective_seconds,
         "boxing_op_seconds": measured.boxing_op_seconds,
         "op_seconds": measured.op_seconds,
+        "slow_collective_seconds": slow.collective_seconds,
     }
 
 
 def test_calibrate_compute_times_the_wait_of_a_collective() -> None:
-    """In a 2-rank job ``calibrate_compute`` measures ``collective_seconds`` (a bare
-    all_reduce over the placement, NOTE [calibrated compute]): positive, finite, and the
-    same on both ranks (rank 0's numbers), so calibrated plans keep the wait."""
+    """In a 2-rank job ``calibrate_compute`` measures ``collective_seconds`` (what a bare
+    all_reduce over the placement took beyond its price in the cost model passed, NOTE
+    [calibrated compute]): finite, not negative, zero where the cost model prices the
+    collective above what it took, and the same on both ranks (rank 0's numbers)."""
     results = get_pool(2).run(calibrate_job)
     assert results[0] == results[1], results
-    assert 0 < results[0]["collective_seconds"] < 1.0, results
+    assert 0 <= results[0]["collective_seconds"] < 1.0, results
+    assert results[0]["slow_collective_seconds"] == 0.0, results
     assert results[0]["boxing_op_seconds"] is not None, results

@@ -13,6 +13,7 @@ tests/dist/test_auto_parallel_counts.py checks this account against a real step.
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from typing import Any
 
@@ -70,10 +71,15 @@ def torchtitan(name: str, _t: Any = None) -> Any:
 def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> None:
     """bench/auto_parallel's Llama on 2 ranks, a batch of 2 x 128 tokens fixed broadcast,
     default prices: the plan runs no more collectives per step than the best plan with
-    torchtitan's layout, is predicted no slower, and its decoder layers are torchtitan's.
-    Without the optimizer's update in the search, the plan ran attention data parallel over
-    the batch, its weights broadcast: 21 collectives, against 18 (NOTE [the update in the
-    search] in _solve.py)."""
+    torchtitan's layout of the decoder layers, the rest broadcast (bench/auto_parallel's
+    hand layout, 16), nor than the best with torchtitan's whole layout (the embedding and
+    the head split by vocabulary too, 18), is predicted within the near-tie share of the
+    faster of them (NOTE [fewer collectives among near ties]), and its decoder layers are
+    torchtitan's. The fastest plan splits the head by vocabulary, which adds the
+    all_reduce of the head's input gradient (17 collectives) for a step predicted 1.7%
+    shorter. Without the optimizer's update in the search, the plan ran attention data
+    parallel over the batch, its weights broadcast: 21 collectives (NOTE [the update in
+    the search] in _solve.py)."""
     import transformers
 
     with torch.device("meta"):
@@ -81,14 +87,19 @@ def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> No
     ids = torch.zeros(2, 128, dtype=torch.long)
     placement = sbpflow.placement("cpu", [0, 1])
     plan = sbpflow.auto_parallel(model, placement, ids, fixed={0: B})
-    hand = {name: torchtitan(name) for name, _ in model.named_parameters()}
-    pinned = sbpflow.auto_parallel(model, placement, ids, fixed={0: B, **hand})
-    assert pinned.diff(torchtitan) == []
-    assert per_step(plan) <= per_step(pinned), (
-        Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective),
-        Counter((c.phase, c.op) for c in pinned.collectives() if c.is_collective),
-    )
-    assert plan.step_seconds <= pinned.step_seconds * (1 + 1e-9)
+    pinned_plans = []
+    for layout in (torchtitan_layers, torchtitan):
+        hand = {name: layout(name) for name, _ in model.named_parameters()}
+        pinned = sbpflow.auto_parallel(model, placement, ids, fixed={0: B, **hand})
+        assert pinned.diff(layout) == []
+        assert per_step(plan) <= per_step(pinned), (
+            Counter((c.phase, c.op) for c in plan.collectives() if c.is_collective),
+            Counter((c.phase, c.op) for c in pinned.collectives() if c.is_collective),
+        )
+        pinned_plans.append(pinned)
+    near = importlib.import_module("sbpflow.auto_parallel._solve").NEAR_TIE
+    for pinned in pinned_plans:
+        assert plan.step_seconds <= pinned.step_seconds * (1 + near)
     layers = {n: s for n, s in plan.param_sbp.items() if n.startswith("model.layers.")}
     assert layers == {n: (torchtitan(n),) for n in layers}
 

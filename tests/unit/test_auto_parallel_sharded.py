@@ -57,10 +57,11 @@ def test_a_budget_plan_runs_its_split_weights_fully_sharded() -> None:
     }
     assert got == split
     assert [m.module for m in plan.fully_sharded] == sorted({n.rpartition(".")[0] for n in split})
-    # the transposes between them and their readers are left to propagation
+    # each weight is gathered at its transpose's input, or kept split through the transpose
+    # (then that transpose is left to propagation): the same bytes either way
     transposes = [op.index for op in plan.ops if op.op == "aten.t.default"]
     for sharded in plan.fully_sharded:
-        assert len(sharded.ops) == len(sharded.params) and set(sharded.ops) <= set(transposes)
+        assert len(sharded.ops) <= len(sharded.params) and set(sharded.ops) <= set(transposes)
     assert "fully sharded modules" in plan.explain()
     # the same plan on every call
     again = sbpflow.auto_parallel(
