@@ -71,7 +71,12 @@
 # bench/auto_parallel's Llama on 2 ranks, its batch broadcast: the fastest plan split the
 # head by vocabulary, adding the all_reduce of the head's input gradient (17 collectives a
 # step, against torchtitan's decoder layout's 16) for a step predicted 1.7% shorter, and
-# measured no faster on the test host in CPU time; the plan is now that layout, 16.
+# measured no faster on the test host in CPU time; with the rule, the plan is that layout, 16.
+# The rule is off by default (``NEAR_TIE = 0.0``: the fastest predicted plan): on the 2x2
+# mesh it took the small Llama's attention replicated on the tensor axis (13 collectives
+# against the hand layout's 20), measured 1.26-1.28x slower than the hand layout, and on
+# examples/auto_parallel.py's two blocks it took data parallelism over Megatron's layout.
+# Where the prices miss by more than the band, fewer collectives are no better a guess.
 """
 
 from __future__ import annotations
@@ -103,8 +108,8 @@ __all__ = [
 
 _TIE_BREAK = 1e-12  # seconds per strategy index: deterministic among equal plans
 # plans predicted within this share of the fastest step are near ties, the fewest
-# collectives first (NOTE [fewer collectives among near ties])
-NEAR_TIE = 0.02
+# collectives first (NOTE [fewer collectives among near ties]); 0.0, off: the fastest
+NEAR_TIE = 0.0
 # captured ops above which the near-tie solve is skipped (the fastest plan kept): HiGHS took
 # 150-340 s over it for Llama-7B on an 8x8 mesh (2,425 ops), against 15 s for the fastest
 NEAR_TIE_MAX_OPS = 1000

@@ -61,13 +61,12 @@ def count_job() -> dict[str, Any]:
     }
 
 
-def test_the_llama_plan_runs_what_it_predicts_and_no_more_than_the_hand_layout() -> None:
-    """The plan's step runs exactly the collectives ``per_step`` counts for it, and no more
-    than the hand layout run by sbpflow's propagation (16: two all_reduces per layer and
-    direction). Splitting the head by vocabulary, as torchtitan does, adds the all_reduce
-    of the head's input gradient for a step predicted 1.7% shorter: a near tie, which the
-    fewer collectives decide (NOTE [fewer collectives among near ties] in
-    sbpflow/auto_parallel/_solve.py). Losses equal one process."""
+def test_the_llama_plan_runs_what_it_predicts_and_at_most_one_more_than_the_hand_layout() -> None:
+    """The plan's step runs exactly the collectives ``per_step`` counts for it, and at most
+    one more than the hand layout run by sbpflow's propagation (16: two all_reduces per
+    layer and direction): the all_reduce of the head's input gradient where the plan splits
+    the head by vocabulary, as torchtitan does (predicted 1.7% faster than computing every
+    logit on each rank). Losses equal one process."""
     pytest.importorskip("transformers", reason="needs Hugging Face transformers")
     results = get_pool(2).run(count_job)
     first = results[0]
@@ -77,4 +76,4 @@ def test_the_llama_plan_runs_what_it_predicts_and_no_more_than_the_hand_layout()
             assert abs(loss - got["want"]) <= _TOL * max(1.0, abs(got["want"])), (rank, name)
     ran = first["ran"]
     assert ran["plan"] == first["predicted"], first
-    assert ran["plan"] <= ran["hand"], first
+    assert ran["plan"] <= ran["hand"] + 1, first

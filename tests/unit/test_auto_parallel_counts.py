@@ -68,9 +68,12 @@ def torchtitan(name: str, _t: Any = None) -> Any:
     return torchtitan_layers(name)
 
 
-def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> None:
+def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """bench/auto_parallel's Llama on 2 ranks, a batch of 2 x 128 tokens fixed broadcast,
-    default prices: the plan runs no more collectives per step than the best plan with
+    default prices, near ties within 2% decided by the fewer collectives (a rule off by
+    default, NOTE [fewer collectives among near ties]): the plan runs no more collectives per step than the best plan with
     torchtitan's layout of the decoder layers, the rest broadcast (bench/auto_parallel's
     hand layout, 16), nor than the best with torchtitan's whole layout (the embedding and
     the head split by vocabulary too, 18), is predicted within the near-tie share of the
@@ -82,6 +85,7 @@ def test_the_llama_plan_runs_no_more_collectives_than_torchtitans_layout() -> No
     the search] in _solve.py)."""
     import transformers
 
+    monkeypatch.setattr(importlib.import_module("sbpflow.auto_parallel._solve"), "NEAR_TIE", 0.02)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config())
     ids = torch.zeros(2, 128, dtype=torch.long)
