@@ -29,7 +29,7 @@ from sbpflow.testing import get_pool
 
 from ..unit.test_auto_parallel import MlpBlock as Block
 
-_STEPS = 3
+_STEPS = 4
 _TOL = 1e-5
 
 
@@ -96,18 +96,21 @@ def budget_peak_job() -> dict[str, Any]:
         opt.step()
         losses.append(loss.item())
 
-    wants = []
+    wants, peaks = [], []
     for i in range(_STEPS):
         want = reference(x).pow(2).mean()
         want.backward()
         opt_ref.step()
         opt_ref.zero_grad()
         wants.append(want.item())
-        if i < _STEPS - 1:
+        if i == 0:
             step()
             opt.zero_grad()
-        else:  # the last step measured, its allocations those of a warm step
-            peak = _measured_peak(step, model, opt, gx)
+        else:  # warm steps measured: the least of them (NOTE [peak memory]: some steps free
+            # a few tensors later, up to 0.5 MiB more held; a count missing a tensor misses
+            # it in every step)
+            peaks.append(_measured_peak(step, model, opt, gx))
+    peak = min(peaks)
     return {
         "budget": budget,
         "predicted": plan.memory.peak,
@@ -159,18 +162,21 @@ def mesh_budget_peak_job() -> dict[str, Any]:
         opt.step()
         losses.append(loss.item())
 
-    wants = []
+    wants, peaks = [], []
     for i in range(_STEPS):
         want = reference(x).pow(2).mean()
         want.backward()
         opt_ref.step()
         opt_ref.zero_grad()
         wants.append(want.item())
-        if i < _STEPS - 1:
+        if i == 0:
             step()
             opt.zero_grad()
-        else:  # the last step measured, its allocations those of a warm step
-            peak = _measured_peak(step, model, opt, gx)
+        else:  # warm steps measured: the least of them (NOTE [peak memory]: some steps free
+            # a few tensors later, up to 0.5 MiB more held; a count missing a tensor misses
+            # it in every step)
+            peaks.append(_measured_peak(step, model, opt, gx))
+    peak = min(peaks)
     return {
         "budget": budget,
         "predicted": plan.memory.peak,
