@@ -244,22 +244,11 @@ class Prices:
         """Collectives the cheapest boxing ``src -> dst`` runs (its communicating steps)."""
         return sum(1 for step in self.boxing(shape, dtype, src, dst)[1] if step.is_collective)
 
-    def _step_extra(self, axes: tuple[int, ...]) -> float:
-        """What a boxing step costs beside its cost model's price: issuing it eagerly, and
-        for a collective over ``axes`` waiting for the group's slowest rank, ``ceil(log2 p)``
-        times ``collective_seconds`` on ``p`` ranks (NOTE [default prices])."""
-        extra = self.compute.boxing_op_seconds
-        if extra is None:
-            extra = self.compute.op_seconds
-        rounds = (math.prod(self.mesh[a] for a in axes) - 1).bit_length()
-        return extra + self.compute.collective_seconds * rounds
-
     def bucket_fixed_seconds(self, axes: tuple[int, ...]) -> float:
         """What one all_reduce over ``axes`` costs whatever its bytes: its latency rounds,
         step overhead, the eager work of a boxing step and the wait of a collective (paid
         once per bucket)."""
-        ranks = math.prod(self.mesh[a] for a in axes)
-        return self.cost_model.all_reduce(ranks, 0.0) + self._step_extra(axes)
+        return self._planned.all_reduce(math.prod(self.mesh[a] for a in axes), 0.0)
 
     def bucket_discount(self, step: BoxingStep, dst: NdSbp, num_bytes: float) -> float:
         """What a parameter gradient's boxing step costs less in a bucket than alone, for a
