@@ -371,29 +371,12 @@ def _priced(
     count: int,
     left: dict[object, list[int]],
     right: dict[object, list[int]],
-) -> dict[tuple[object, object], float]:
-    """Seconds of boxing each left layout to each right one, ``count`` times."""
-    return {
-        (a, b): count * prices.boxing(shape, dtype, a, b)[0]  # type: ignore[arg-type]
-        for a in left
-        for b in right
-    }
-
-
-def _counted(
-    prices: Prices,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    count: int,
-    left: dict[object, list[int]],
-    right: dict[object, list[int]],
-) -> dict[tuple[object, object], float]:
-    """Collectives of boxing each left layout to each right one, ``count`` times."""
-    return {
-        (a, b): count * prices.collectives(shape, dtype, a, b)  # type: ignore[arg-type]
-        for a in left
-        for b in right
-    }
+) -> tuple[dict[tuple[object, object], float], dict[tuple[object, object], float]]:
+    """Seconds and collectives of boxing each left layout to each right one, ``count`` times."""
+    pairs = [(a, b) for a in left for b in right]
+    seconds = {(a, b): count * prices.boxing(shape, dtype, a, b)[0] for a, b in pairs}  # type: ignore[arg-type]
+    ran = {(a, b): float(count * prices.collectives(shape, dtype, a, b)) for a, b in pairs}  # type: ignore[arg-type]
+    return seconds, ran
 
 
 def solve(
@@ -531,22 +514,14 @@ def solve(
         if (u, o) in many:
             left = _groups(spread_offset[(u, o)], list(spread[(u, o)]))
             right = _groups(offset[v], [s.inputs[i] for s in consumer])
-            program.pair(
-                left,
-                right,
-                _priced(prices, shape, dtype, count, left, right),
-                count=_counted(prices, shape, dtype, count, left, right),
-            )
+            seconds, ran = _priced(prices, shape, dtype, count, left, right)
+            program.pair(left, right, seconds, count=ran)
             if (u, o) not in candidates:
                 continue
             grads = _groups(offset[v], [s.grads[i] for s in consumer])
             sums_right = _groups(sum_offset[(u, o)], list(candidates[(u, o)]))
-            program.pair(
-                grads,
-                sums_right,
-                _priced(prices, shape, dtype, count, grads, sums_right),
-                count=_counted(prices, shape, dtype, count, grads, sums_right),
-            )
+            seconds, ran = _priced(prices, shape, dtype, count, grads, sums_right)
+            program.pair(grads, sums_right, seconds, count=ran)
             continue
         left = producer_groups(u, o)
         right = _groups(offset[v], [(s.inputs[i], s.grads[i]) for s in consumer])
